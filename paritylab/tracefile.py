@@ -1,0 +1,300 @@
+"""The trace: one record per module call, and its versioned JSON file with safetensors shards beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paritylab.storage import StorageError, TensorReader
+from paritylab.values import Node, iter_tensors
+
+SCHEMA_VERSION = 1
+TRACE_FILE = "trace.json"
+INDEX_FILE = "tensors.index.json"
+MAX_TRACE_JSON_BYTES = 512 * 1024 * 1024
+
+
+class TraceFormatError(ValueError):
+    """A trace directory or file cannot be read as a trace."""
+
+
+@dataclass
+class CallRecord:
+    """One call of one module during a traced forward."""
+
+    index: int
+    """Position in execution order (call start)."""
+    path: str
+    """Dotted module path as in ``named_modules()``; ``""`` is the root module."""
+    call_index: int
+    """How many calls of the same path came before this one."""
+    cls: str
+    parent: int | None
+    depth: int
+    inputs: Node | None = None
+    outputs: Node | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Stable key of the call: ``path#call_index``."""
+        return f"{self.path}#{self.call_index}"
+
+    def tensors(self, side: str = "outputs") -> list[tuple[str, Node]]:
+        """``(slot, tensor_node)`` for each tensor of the call's ``inputs`` or ``outputs``."""
+        return list(iter_tensors(getattr(self, side), side))
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "index": self.index,
+            "path": self.path,
+            "call_index": self.call_index,
+            "cls": self.cls,
+            "parent": self.parent,
+            "depth": self.depth,
+        }
+        for name in ("inputs", "outputs", "error"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CallRecord:
+        try:
+            return cls(
+                index=int(data["index"]),
+                path=str(data["path"]),
+                call_index=int(data["call_index"]),
+                cls=str(data.get("cls", "")),
+                parent=None if data.get("parent") is None else int(data["parent"]),
+                depth=int(data.get("depth", 0)),
+                inputs=_node_or_none(data.get("inputs")),
+                outputs=_node_or_none(data.get("outputs")),
+                error=None if data.get("error") is None else str(data["error"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise TraceFormatError(f"malformed call record {str(data)[:120]!r}: {error}") from error
+
+
+def display_path(path: str) -> str:
+    """A module path for people: the root module shows as ``<root>``."""
+    return path or "<root>"
+
+
+@dataclass
+class Trace:
+    """The calls of one traced forward, with lazy access to their saved tensors."""
+
+    calls: list[CallRecord] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    captures: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    """Capture name -> entries ``{"call": key, "slot": slot, "ref": ref}`` in execution order."""
+    files: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Tensor reference -> ``(file name, key in file)``."""
+    directory: Path | None = None
+    live: dict[str, list[torch.Tensor]] = field(default_factory=dict, repr=False)
+    """Captured values held in memory by the tracer (empty after :meth:`load`)."""
+    _reader: TensorReader | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[CallRecord]:
+        return iter(self.calls)
+
+    @property
+    def keys(self) -> list[str]:
+        """Call keys in execution order."""
+        return [call.key for call in self.calls]
+
+    def call(self, key: str) -> CallRecord:
+        """The call with this key (``path#n``)."""
+        for call in self.calls:
+            if call.key == key:
+                return call
+        raise KeyError(f"no call {key!r} in this trace; keys look like {self.keys[:3]}")
+
+    def has_values(self, node: Node) -> bool:
+        """Whether the tensor behind ``node`` was saved and can be loaded."""
+        return node.get("ref") in self.files
+
+    def tensor(self, node: Node) -> torch.Tensor | None:
+        """The saved value of a tensor node, read lazily; ``None`` when it was not saved."""
+        ref = node.get("ref")
+        if ref is None or ref not in self.files:
+            return None
+        if self._reader is None:
+            if self.directory is None:
+                return None
+            self._reader = TensorReader(self.directory)
+        file_name, key = self.files[ref]
+        return self._reader.load(file_name, key)
+
+    @property
+    def captured(self) -> dict[str, list[torch.Tensor]]:
+        """Named captures as tensors in execution order (from memory, else from the saved files)."""
+        if self.live:
+            return self.live
+        loaded: dict[str, list[torch.Tensor]] = {}
+        for name, entries in self.captures.items():
+            values = [self.tensor({"ref": entry.get("ref")}) for entry in entries]
+            loaded[name] = [value for value in values if value is not None]
+        return loaded
+
+    def save(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Write ``trace.json`` and the slot index into ``directory`` (default: the trace's own)."""
+        target = Path(directory) if directory is not None else self.directory
+        if target is None:
+            raise ValueError("this trace has no directory: pass one to save(directory)")
+        target.mkdir(parents=True, exist_ok=True)
+        document = {
+            "schema_version": SCHEMA_VERSION,
+            "format": "paritylab",
+            "meta": self.meta,
+            "files": {ref: list(location) for ref, location in self.files.items()},
+            "captures": self.captures,
+            "calls": [call.to_json() for call in self.calls],
+        }
+        _write_json(target / TRACE_FILE, document)
+        _write_json(target / INDEX_FILE, self.slot_index())
+        return target / TRACE_FILE
+
+    def slot_index(self) -> dict[str, Any]:
+        """Which file holds the tensor of every call's input/output slot."""
+        slot_map: dict[str, str] = {}
+        for call in self.calls:
+            for side in ("inputs", "outputs"):
+                for slot, node in call.tensors(side):
+                    ref = node.get("ref")
+                    if ref in self.files:
+                        slot_map[f"{call.key}/{slot}"] = ref
+        weight_map = {ref: location[0] for ref, location in self.files.items()}
+        return {
+            "metadata": {"schema_version": SCHEMA_VERSION},
+            "slot_map": slot_map,
+            "tensor_map": weight_map,
+        }
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Trace:
+        """Read a trace directory: paritylab's own, or one written by transformers' debugger."""
+        path = Path(directory)
+        if not path.is_dir():
+            raise TraceFormatError(f"{path} is not a directory: pass the directory a trace was written to")
+        if (path / TRACE_FILE).is_file():
+            return _load_paritylab(path)
+        from paritylab.debugger_format import find_debugger_file, read_debugger_trace
+
+        if find_debugger_file(path) is not None:
+            return read_debugger_trace(path)
+        raise TraceFormatError(
+            f"{path} holds no trace: expected {TRACE_FILE} or a transformers *_debug_tree_FULL_TENSORS.json"
+        )
+
+
+def _load_paritylab(path: Path) -> Trace:
+    document = read_json(path / TRACE_FILE)
+    if not isinstance(document, dict):
+        raise TraceFormatError(f"{path / TRACE_FILE} is not a JSON object")
+    version = document.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise TraceFormatError(
+            f"{path / TRACE_FILE} has schema_version {version!r}; this paritylab reads {SCHEMA_VERSION}"
+        )
+    calls = document.get("calls")
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise TraceFormatError(f"{path / TRACE_FILE}: 'calls' must be a list of objects")
+    files = document.get("files") or {}
+    if not isinstance(files, dict):
+        raise TraceFormatError(f"{path / TRACE_FILE}: 'files' must be an object")
+    trace = Trace(
+        calls=[CallRecord.from_json(c) for c in calls],
+        meta=document.get("meta") if isinstance(document.get("meta"), dict) else {},
+        captures=_captures(document.get("captures")),
+        files={str(ref): _location(ref, loc) for ref, loc in files.items()},
+        directory=path,
+    )
+    for ref, (file_name, _) in trace.files.items():
+        try:
+            TensorReader(path).resolve(file_name)
+        except StorageError as error:
+            raise TraceFormatError(f"tensor {ref!r}: {error}") from error
+    return trace
+
+
+def _location(ref: object, location: object) -> tuple[str, str]:
+    if not (isinstance(location, list) and len(location) == 2 and all(isinstance(x, str) for x in location)):
+        raise TraceFormatError(f"tensor {ref!r}: location must be [file, key], got {str(location)[:80]}")
+    return location[0], location[1]
+
+
+def _captures(data: object) -> dict[str, list[dict[str, str]]]:
+    if not isinstance(data, dict):
+        return {}
+    return {
+        str(name): [entry for entry in entries if isinstance(entry, dict)]
+        for name, entries in data.items()
+        if isinstance(entries, list)
+    }
+
+
+def _node_or_none(value: object) -> Node | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or "t" not in value:
+        raise TraceFormatError(f"malformed value node {str(value)[:80]!r}")
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """Replace non-finite floats (which JSON cannot hold) by the strings ``nan``, ``inf``, ``-inf``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def as_float(value: object) -> float:
+    """A stats value read back from JSON (inverse of :func:`json_safe`)."""
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def _write_json(path: Path, document: Any) -> None:
+    """Write JSON atomically: a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        json.dump(json_safe(document), handle, separators=(",", ":"), allow_nan=False)
+    os.replace(partial, path)
+
+
+def read_json(path: Path, limit: int = MAX_TRACE_JSON_BYTES) -> Any:
+    """Read a JSON file with a size limit and a one-line error on malformed content."""
+    try:
+        size = path.stat().st_size
+    except OSError as error:
+        raise TraceFormatError(f"cannot read {path}: {error.strerror}") from error
+    if size > limit:
+        raise TraceFormatError(f"{path} is {size} bytes, over the {limit}-byte limit for trace JSON")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TraceFormatError(f"{path} is not valid JSON: {error}") from error

@@ -1,0 +1,377 @@
+"""Trace every module call of a forward with PyTorch hooks: a call tree, stats, captures, streamed tensors.
+
+The tracer never replaces ``forward`` and keeps no state on the model: it registers forward pre/post
+hooks on entry and removes them on exit, also when the forward raises. Outputs are untouched, so a
+traced forward is bit-identical to an untraced one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import platform
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.capture import CaptureSpec, resolve_specs
+from paritylab.stats import StatsBatch, supports_stats
+from paritylab.storage import DEFAULT_SHARD_BYTES, TensorStore
+from paritylab.tracefile import CallRecord, Trace
+from paritylab.values import Node, encode, pick
+
+__all__ = ["TraceOptions", "Tracer", "trace"]
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What to record. Patterns are ``fnmatch`` globs on dotted module paths (``""`` is the root)."""
+
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    max_depth: int | None = None
+    inputs: bool = True
+    outputs: bool = True
+    save_tensors: bool = False
+    max_bytes: int | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    save_dtype: torch.dtype | None = None
+    grad: bool = False
+    capture: Iterable[CaptureSpec] | str | None = "auto"
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def selects(self, path: str) -> bool:
+        depth = 0 if not path else path.count(".") + 1
+        if self.max_depth is not None and depth > self.max_depth:
+            return False
+        if self.include and not any(fnmatch.fnmatchcase(path, p) for p in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(path, p) for p in self.exclude)
+
+
+@dataclass
+class _Seen:
+    """What was already recorded for one tensor object, so it is summarised and stored only once."""
+
+    ref: weakref.ReferenceType[torch.Tensor]
+    version: int
+    stats: int | None
+    stored: str | None
+    skipped: str | None
+
+
+class Tracer:
+    """Context manager that records a :class:`~paritylab.tracefile.Trace` of the forwards run inside it.
+
+    >>> with Tracer(model, "trace-dir") as trace:
+    ...     model(inputs)
+    >>> trace.calls[0].key
+    '#0'
+    """
+
+    def __init__(self, model: nn.Module, directory: str | Path | None = None, options: TraceOptions | None = None):
+        self.model = model
+        self.options = options or TraceOptions()
+        self.directory = Path(directory) if directory is not None else None
+        if self.options.save_tensors and self.directory is None:
+            raise ValueError("save_tensors=True needs a directory to stream tensors to: pass directory=")
+        self.trace = Trace(directory=self.directory)
+        self._stack: list[tuple[CallRecord, BaseException | None]] = []
+        self._counts: dict[str, int] = {}
+        self._stats = StatsBatch()
+        self._stats_targets: list[tuple[Node, int]] = []
+        self._seen: dict[int, _Seen] = {}
+        self._stored = 0
+        self._store: TensorStore | None = None
+        self._exit = ExitStack()
+        self._captures: dict[str, list[CaptureSpec]] = {}
+        self._raised_at: str | None = None
+        self._hook_error: str | None = None
+        self._selected: list[str] = []
+        self._started = 0.0
+
+    # -- context management ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Trace:
+        self._started = time.perf_counter()
+        specs = resolve_specs(self.model, self.options.capture)
+        if self.directory is not None:
+            self._store = TensorStore(
+                self.directory,
+                max_bytes=self.options.max_bytes,
+                shard_bytes=self.options.shard_bytes,
+                save_dtype=self.options.save_dtype,
+                metadata=self._provenance(),
+            )
+        try:
+            self._register(specs)
+        except BaseException:
+            self._exit.close()
+            raise
+        if not self.options.grad:
+            self._exit.enter_context(torch.no_grad())
+        return self.trace
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._exit.close()  # hooks first: nothing below runs inside the model
+        self._finish(error)
+
+    def _register(self, specs: list[CaptureSpec]) -> None:
+        for path, module in self.model.named_modules():
+            if not self.options.selects(path):
+                continue
+            self._selected.append(path)
+            matching = [spec for spec in specs if spec.matches(path, module)]
+            if matching:
+                self._captures[path] = matching
+            pre = module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True)
+            self._exit.callback(pre.remove)
+            post = module.register_forward_hook(self._post_hook(path), with_kwargs=True, always_call=True)
+            self._exit.callback(post.remove)
+
+    # -- hooks (the hot path) ----------------------------------------------------------------------------
+
+    def _pre_hook(self, path: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            try:
+                self._open_call(path, module, args, kwargs)
+            except Exception as error:  # a tracer bug must not break the user's forward
+                self._note_hook_error(path, error)
+
+        return hook
+
+    def _post_hook(self, path: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            try:
+                self._close_call(path, output)
+            except Exception as error:
+                self._note_hook_error(path, error)
+
+        return hook
+
+    def _open_call(self, path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        call_index = self._counts.get(path, 0)
+        self._counts[path] = call_index + 1
+        parent = self._stack[-1][0].index if self._stack else None
+        record = CallRecord(
+            index=len(self.trace.calls),
+            path=path,
+            call_index=call_index,
+            cls=type(module).__name__,
+            parent=parent,
+            depth=len(self._stack),
+        )
+        if self.options.inputs:
+            record.inputs = encode({"args": args, "kwargs": kwargs}, self._encode_tensor)
+        self.trace.calls.append(record)
+        self._stack.append((record, sys.exc_info()[1]))
+
+    def _close_call(self, path: str, output: Any) -> None:
+        if not self._stack or self._stack[-1][0].path != path:
+            return  # unbalanced (a hook of ours failed on entry); nothing to close
+        record, ambient = self._stack.pop()
+        raised = sys.exc_info()[1]
+        if raised is not None and raised is not ambient:
+            record.error = f"{type(raised).__name__}: {raised}"
+            if self._raised_at is None:
+                self._raised_at = record.key
+            return
+        if self.options.outputs:
+            record.outputs = encode(output, self._encode_tensor)
+        for spec in self._captures.get(path, ()):
+            self._capture(spec, record, output)
+
+    def _encode_tensor(self, tensor: torch.Tensor) -> Node:
+        node: Node = {
+            "t": "tensor",
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "device": str(tensor.device),
+        }
+        seen = self._lookup(tensor)
+        if seen is None:
+            seen = self._record_tensor(tensor)
+        if seen.stats is not None:
+            self._stats_targets.append((node, seen.stats))
+        if seen.stored is not None:
+            node["ref"] = seen.stored
+        elif seen.skipped is not None:
+            node["skipped"] = seen.skipped
+        return node
+
+    def _lookup(self, tensor: torch.Tensor) -> _Seen | None:
+        seen = self._seen.get(id(tensor))
+        if seen is None or seen.ref() is not tensor or seen.version != _version(tensor):
+            return None
+        return seen
+
+    def _record_tensor(self, tensor: torch.Tensor, save: bool | None = None) -> _Seen:
+        stats = self._stats.add(tensor) if supports_stats(tensor) else None
+        stored = skipped = None
+        if self._store is not None and (self.options.save_tensors if save is None else save):
+            stored, skipped = self._store.put(tensor, f"t{self._stored}")
+            self._stored += 1
+        seen = _Seen(weakref.ref(tensor), _version(tensor), stats, stored, skipped)
+        if seen.version >= 0:  # inference tensors have no version counter: never assume they are unchanged
+            self._seen[id(tensor)] = seen
+        return seen
+
+    def _capture(self, spec: CaptureSpec, record: CallRecord, output: Any) -> None:
+        value = pick(output, spec.index)
+        if not isinstance(value, torch.Tensor):
+            return
+        self.trace.live.setdefault(spec.name, []).append(value.detach())
+        entry = {"call": record.key, "slot": _slot(output, spec.index)}
+        seen = self._lookup(value)
+        if seen is None or (seen.stored is None and seen.skipped is None):
+            seen = self._record_tensor(value, save=True)
+        if seen.stored is not None:
+            entry["ref"] = seen.stored
+        self.trace.captures.setdefault(spec.name, []).append(entry)
+
+    def _note_hook_error(self, path: str, error: Exception) -> None:
+        if self._hook_error is None:
+            self._hook_error = f"{path or '<root>'}: {type(error).__name__}: {error}"
+
+    # -- finishing -----------------------------------------------------------------------------------------
+
+    def _finish(self, error: BaseException | None) -> None:
+        for call, _ in self._stack:  # calls still open when the forward was interrupted
+            call.error = call.error or "interrupted"
+        self._stack.clear()
+        for (node, _), stats in zip(self._stats_targets, self._resolve_stats(), strict=True):
+            node["stats"] = stats
+        self._stats_targets.clear()
+        self._seen.clear()
+        if self._store is not None:
+            self._store.close()
+            self.trace.files = {ref: (name, ref) for ref, name in self._store.files.items()}
+            self._mark_unsaved()
+        self.trace.meta = self._meta(error)
+        if self._hook_error is not None:
+            warnings.warn(f"paritylab: tracing hook failed at {self._hook_error}", RuntimeWarning, stacklevel=3)
+        if self.directory is not None:
+            self.trace.save(self.directory)
+            from paritylab.debugger_format import write_debugger_files
+
+            write_debugger_files(self.trace, self.directory)
+
+    def _resolve_stats(self) -> list[dict[str, float]]:
+        resolved = self._stats.resolve()
+        return [resolved[index] for _, index in self._stats_targets]
+
+    def _mark_unsaved(self) -> None:
+        """Tensors whose shard could not be finished lose their ref and say why."""
+        failure = self._store.failure if self._store is not None else None
+        for call in self.trace.calls:
+            for side in ("inputs", "outputs"):
+                for _, node in call.tensors(side):
+                    if "ref" in node and node["ref"] not in self.trace.files:
+                        del node["ref"]
+                        node["skipped"] = failure or "shard lost"
+        for entries in self.trace.captures.values():
+            for entry in entries:
+                if entry.get("ref") not in self.trace.files:
+                    entry.pop("ref", None)
+
+    def _provenance(self) -> dict[str, str]:
+        provenance = {
+            "producer": "paritylab",
+            "torch_version": torch.__version__,
+            "model_class": type(self.model).__name__,
+            "device": _model_device(self.model),
+            "seed": str(torch.initial_seed()),
+        }
+        if self.options.save_dtype is not None:
+            provenance["saved_dtype"] = str(self.options.save_dtype).removeprefix("torch.")
+        provenance.update({str(k): str(v) for k, v in self.options.metadata.items()})
+        return provenance
+
+    def _meta(self, error: BaseException | None) -> dict[str, Any]:
+        store = self._store
+        called = set(self._counts)
+        meta: dict[str, Any] = {
+            **self._provenance(),
+            "python_version": platform.python_version(),
+            "status": "complete" if error is None else "error",
+            "seconds": round(time.perf_counter() - self._started, 6),
+            "calls": len(self.trace.calls),
+            "modules_selected": len(self._selected),
+            "modules_not_called": [p for p in self._selected if p not in called],
+            "options": {
+                "include": list(self.options.include),
+                "exclude": list(self.options.exclude),
+                "max_depth": self.options.max_depth,
+                "inputs": self.options.inputs,
+                "outputs": self.options.outputs,
+                "save_tensors": self.options.save_tensors,
+                "max_bytes": self.options.max_bytes,
+            },
+            "storage": {
+                "bytes": store.bytes_written if store else 0,
+                "files": sorted(set(store.files.values())) if store else [],
+                "failure": store.failure if store else None,
+                "skipped": self._count_skipped(),
+            },
+        }
+        if error is not None:
+            meta["error"] = {
+                "type": type(error).__name__,
+                "message": str(error)[:2000],
+                "module": self._raised_at.rsplit("#", 1)[0] if self._raised_at else None,
+                "call": self._raised_at,
+            }
+        if self._hook_error is not None:
+            meta["hook_error"] = self._hook_error
+        return meta
+
+    def _count_skipped(self) -> int:
+        return sum(
+            1
+            for call in self.trace.calls
+            for side in ("inputs", "outputs")
+            for _, n in call.tensors(side)
+            if "skipped" in n
+        )
+
+
+def trace(
+    model: nn.Module,
+    directory: str | Path | None = None,
+    **options: Any,
+) -> Tracer:
+    """Trace the forwards of ``model`` run inside the ``with`` block; see :class:`TraceOptions`.
+
+    ``directory`` receives ``trace.json``, the transformers-compatible call tree and, with
+    ``save_tensors=True``, the tensor shards, even when the forward raises.
+    """
+    return Tracer(model, directory, TraceOptions(**options))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference-mode tensors
+        return -1
+
+
+def _slot(output: Any, index: int | str | None) -> str:
+    if index is None or isinstance(output, torch.Tensor):
+        return "outputs"
+    if isinstance(output, Mapping) and isinstance(index, int):
+        return f"outputs.{list(output.keys())[index]}"
+    return f"outputs.{index}"
+
+
+def _model_device(model: nn.Module) -> str:
+    parameter = next(model.parameters(), None)
+    return str(parameter.device) if parameter is not None else "cpu"
