@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.storage import StorageError, TensorReader
-from paritylab.tracefile import CallRecord, Trace, TraceFormatError, as_float, json_safe, read_json
+from paritylab.tracefile import CallRecord, Trace, TraceFormatError, as_float, read_json, write_json
 from paritylab.values import Node
 
 FULL_SUFFIX = "_debug_tree_FULL_TENSORS.json"
@@ -33,9 +33,7 @@ MAX_DEPTH = 200
 
 
 def write_debugger_files(trace: Trace, directory: Path) -> tuple[Path, Path]:
-    """Write the trace's call tree in the debugger's layout; returns (summary, full) paths."""
-    import json
-
+    """Write the trace's call tree in the debugger's layout (compact JSON); returns (summary, full) paths."""
     root_name = trace.meta.get("model_class") or "Model"
     roots: list[dict[str, Any]] = []
     nodes: dict[int, dict[str, Any]] = {}
@@ -48,8 +46,8 @@ def write_debugger_files(trace: Trace, directory: Path) -> tuple[Path, Path]:
         tree = {"module_path": root_name}
     full = directory / f"{root_name}{FULL_SUFFIX}"
     summary = directory / f"{root_name}{SUMMARY_SUFFIX}"
-    full.write_text(json.dumps(json_safe(tree), indent=2), encoding="utf-8")
-    summary.write_text(json.dumps(json_safe(_strip_values(tree)), indent=2), encoding="utf-8")
+    write_json(full, tree)
+    write_json(summary, _strip_values(tree))
     return summary, full
 
 

@@ -1,4 +1,16 @@
-"""Summary statistics of tensors, computed on their device and fetched with one host sync per batch."""
+"""Summary statistics of tensors: cheap on the hot path, with one host transfer per device and batch.
+
+Three vectorised reductions give everything: ``sum``, ``dot(x, x)`` and ``aminmax``. ``mean``, ``std``
+(population) and ``norm`` derive from them; ``absmax`` from min and max.
+
+- CPU: reading a result costs nothing, so a tensor whose sums are not finite takes a slow exact path:
+  NaN and Inf are counted and the other statistics describe its finite elements (so they stay
+  meaningful); a sum of squares that overflowed float32 is recomputed in float64.
+- Accelerators: everything stays on the device, with no synchronisation per tensor; NaN and Inf are
+  counted on the device and propagate into the other statistics.
+
+``std`` is derived as ``sqrt(E[x²] − E[x]²)``: its relative precision drops when ``|mean| ≫ std``.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +19,13 @@ import math
 import torch
 
 STAT_NAMES: tuple[str, ...] = ("mean", "std", "min", "max", "absmax", "norm", "nan", "inf")
-"""Order of the statistics in a stats vector. ``std`` is the population standard deviation."""
+"""Order of the statistics in a stats row."""
 
-_EXACT_DTYPES = (torch.float32, torch.float64)
+_ACCUMULATE = (torch.float32, torch.float64)
 
 
 def supports_stats(tensor: torch.Tensor) -> bool:
-    """Whether :func:`stats_vector` can summarise ``tensor`` (dense, real, with data)."""
+    """Whether ``tensor`` can be summarised (dense, real, with data)."""
     return (
         tensor.layout == torch.strided
         and not tensor.is_complex()
@@ -23,62 +35,83 @@ def supports_stats(tensor: torch.Tensor) -> bool:
     )
 
 
-def stats_vector(tensor: torch.Tensor) -> torch.Tensor:
-    """The statistics of ``tensor`` as a float64 vector on its device, in :data:`STAT_NAMES` order.
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype in _ACCUMULATE else flat.float()
 
-    Three passes over the data (``std_mean``, ``aminmax``, ``isfinite``) and no host synchronisation.
-    ``absmax`` and ``norm`` are derived from the others. NaN and Inf are counted exactly.
-    """
-    x = tensor.detach()
-    if x.dtype not in _EXACT_DTYPES:
-        x = x.float()
-    std, mean = torch.std_mean(x, correction=0)
-    low, high = torch.aminmax(x)
-    count = x.numel()
-    nonfinite = count - torch.count_nonzero(torch.isfinite(x))
-    nan = torch.count_nonzero(torch.isnan(x)) if x.dtype.is_floating_point else torch.zeros_like(nonfinite)
-    summary = torch.stack([mean, std, low, high]).double()
-    absmax = torch.maximum(summary[2].abs(), summary[3].abs())
-    norm = torch.sqrt(count * (summary[1] ** 2 + summary[0] ** 2))
-    return torch.cat([summary, torch.stack([absmax, norm]), torch.stack([nan, nonfinite - nan]).double()])
+
+def cpu_stats(tensor: torch.Tensor) -> list[float]:
+    """Stats row of a CPU tensor (see the module docstring for the exact/slow path)."""
+    flat = _flat(tensor)
+    total = float(flat.sum())
+    squares = float(torch.dot(flat, flat))
+    low, high = (float(v) for v in torch.aminmax(flat))
+    nan = inf = 0
+    if not math.isfinite(total + low + high):
+        finite_mask = torch.isfinite(flat)
+        nan = int(torch.isnan(flat).sum())
+        inf = flat.numel() - nan - int(finite_mask.sum())
+        flat = flat[finite_mask]
+        if flat.numel() == 0:
+            return [math.nan] * 6 + [float(nan), float(inf)]
+        total = float(flat.sum())
+        squares = float(torch.dot(flat, flat))
+        low, high = (float(v) for v in torch.aminmax(flat))
+    if not math.isfinite(squares):
+        wide = flat.double()
+        squares = float(torch.dot(wide, wide))
+    return [*_derive(total, squares, low, high, flat.numel()), float(nan), float(inf)]
+
+
+def device_stats(tensor: torch.Tensor) -> torch.Tensor:
+    """Stats row of a tensor on an accelerator, as a float64 vector on that device (no sync)."""
+    flat = _flat(tensor)
+    count = flat.numel()
+    sums = torch.stack([flat.sum(), torch.dot(flat, flat), *torch.aminmax(flat)]).double()
+    mean = sums[0] / count
+    std = torch.sqrt(torch.clamp(sums[1] / count - mean * mean, min=0))
+    absmax = torch.maximum(sums[2].abs(), sums[3].abs())
+    counts = torch.stack([torch.isnan(flat).sum(), torch.isinf(flat).sum()]).double()
+    return torch.cat([torch.stack([mean, std, sums[2], sums[3], absmax, torch.sqrt(sums[1])]), counts])
+
+
+def _derive(total: float, squares: float, low: float, high: float, count: int) -> list[float]:
+    mean = total / count
+    std = math.sqrt(max(squares / count - mean * mean, 0.0))
+    return [mean, std, low, high, max(abs(low), abs(high)), math.sqrt(squares)]
 
 
 class StatsBatch:
-    """Collects stats vectors during a forward and materialises them all with one transfer per device."""
+    """Stats of the tensors seen during a forward; accelerator rows are fetched together at the end."""
 
     def __init__(self) -> None:
-        self._pending: list[torch.Tensor] = []
+        self._rows: list[list[float] | torch.Tensor] = []
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._rows)
 
     def add(self, tensor: torch.Tensor) -> int:
-        """Queue the stats of ``tensor``; returns the index to look them up by after :meth:`resolve`."""
-        self._pending.append(stats_vector(tensor))
-        return len(self._pending) - 1
+        """Summarise ``tensor``; returns the index of its row in :meth:`resolve`."""
+        self._rows.append(cpu_stats(tensor) if tensor.device.type == "cpu" else device_stats(tensor))
+        return len(self._rows) - 1
 
-    def resolve(self) -> list[dict[str, float]]:
-        """All queued stats as dicts, in the order they were added (one host sync per device)."""
+    def resolve(self) -> list[dict[str, float | None]]:
+        """All rows as dicts in the order added: one transfer per accelerator device."""
         by_device: dict[torch.device, list[int]] = {}
-        for index, vector in enumerate(self._pending):
-            by_device.setdefault(vector.device, []).append(index)
-        rows: list[list[float]] = [[] for _ in self._pending]
+        for index, row in enumerate(self._rows):
+            if isinstance(row, torch.Tensor):
+                by_device.setdefault(row.device, []).append(index)
         for indices in by_device.values():
-            values = torch.stack([self._pending[i] for i in indices]).cpu().tolist()
-            for i, row in zip(indices, values, strict=True):
-                rows[i] = row
-        self._pending.clear()
-        return [stats_dict(row) for row in rows]
+            fetched = torch.stack([self._rows[i] for i in indices]).cpu().tolist()  # type: ignore[misc]
+            for i, values in zip(indices, fetched, strict=True):
+                self._rows[i] = values
+        rows, self._rows = self._rows, []
+        return [stats_dict(row) for row in rows]  # type: ignore[arg-type]
 
 
-def stats_dict(row: list[float]) -> dict[str, float]:
-    """Name the values of one stats vector; counts become ints, non-finite floats stay floats."""
-    named = dict(zip(STAT_NAMES, row, strict=True))
-    named["nan"] = int(named["nan"])
-    named["inf"] = int(named["inf"])
+def stats_dict(row: list[float]) -> dict[str, float | None]:
+    """Name the values of one stats row: counts become ints, undefined values (all non-finite) ``None``."""
+    named: dict[str, float | None] = {k: v if math.isfinite(v) else None for k, v in zip(STAT_NAMES, row, strict=True)}
+    named["nan"] = int(row[6]) if math.isfinite(row[6]) else 0
+    named["inf"] = int(row[7]) if math.isfinite(row[7]) else 0
     return named
-
-
-def finite_or_none(value: float) -> float | None:
-    """JSON has no NaN/Inf: map them to None."""
-    return value if math.isfinite(value) else None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ HEADER_CAPACITY = 256 * 1024
 """Bytes reserved for each shard's JSON header; a shard rolls over before its header would exceed it."""
 
 DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_PENDING_BYTES = 256 << 20
 
 
 class StorageError(ValueError):
@@ -52,12 +55,31 @@ class _Shard:
     header_estimate: int = 2
 
 
+@dataclass
+class _Pending:
+    """A tensor waiting to be written: ``data`` is only read on the writer thread."""
+
+    name: str
+    data: torch.Tensor
+    version: int | None
+    """Version counter at hand-off when ``data`` shares memory with the model's tensor, else ``None``."""
+    ready: Any = None
+    """A CUDA event the device-to-host copy into ``data`` completes at, or ``None``."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
 class TensorStore:
     """Writes tensors to size-bounded safetensors shards in ``directory`` as they are produced.
 
-    ``put`` returns a reference name, or ``None`` and the reason the value was not stored (budget
-    exhausted, disk error, unsupported dtype). Storing never raises on I/O errors: saving stops and
-    tracing goes on.
+    ``put`` decides at once whether a tensor is stored (budget, dtype) and hands it to a writer thread,
+    so file I/O overlaps the forward. At most ``pending_bytes`` wait to be written at any time (``put``
+    blocks past that), which bounds the extra memory; ``pending_bytes=0`` writes synchronously.
+    A tensor modified in place before it reached disk is not stored (its bytes would be wrong) and is
+    listed in :attr:`skipped`. I/O errors never raise: saving stops, whole tensors already written stay
+    readable, and :attr:`failure` says why.
     """
 
     def __init__(
@@ -69,48 +91,51 @@ class TensorStore:
         save_dtype: torch.dtype | None = None,
         metadata: Mapping[str, str] | None = None,
         prefix: str = "tensors",
+        pending_bytes: int = DEFAULT_PENDING_BYTES,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.shard_bytes = shard_bytes
         self.save_dtype = save_dtype
-        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
-        self.prefix = prefix
+        self.bytes_accepted = 0
         self.files: dict[str, str] = {}
-        """Reference name -> shard file name, for every stored tensor."""
-        self.bytes_written = 0
-        self.failure: str | None = None
-        self._shard: _Shard | None = None
-        self._shard_count = 0
-        self._metadata_bytes = len(json.dumps({"__metadata__": self.metadata}))
+        """Reference name -> shard file name, for every tensor whose bytes are on disk."""
+        self.skipped: dict[str, str] = {}
+        """Reference name -> why a tensor accepted by ``put`` did not reach disk."""
+        self._writer = _ShardWriter(self, shard_bytes, {str(k): str(v) for k, v in (metadata or {}).items()}, prefix)
+        self._pending_limit = pending_bytes
+        self._pending_size = 0
+        self._condition = threading.Condition()
+        self._queue: deque[_Pending | None] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def failure(self) -> str | None:
+        """Why saving stopped (a disk error), or ``None``."""
+        return self._writer.failure
+
+    @property
+    def bytes_written(self) -> int:
+        return self._writer.bytes_written
 
     def put(self, tensor: torch.Tensor, name: str) -> tuple[str | None, str | None]:
-        """Store ``tensor`` under ``name``; returns ``(name, None)`` or ``(None, reason)``."""
+        """Accept ``tensor`` for storage under ``name``: ``(name, None)``, or ``(None, reason)``."""
         if self.failure is not None:
             return None, self.failure
-        data = self._prepare(tensor)
-        if isinstance(data, str):
-            return None, data
-        nbytes = data.numel() * data.element_size()
-        if self.max_bytes is not None and self.bytes_written + nbytes > self.max_bytes:
+        pending = self._prepare(tensor, name)
+        if isinstance(pending, str):
+            return None, pending
+        if self.max_bytes is not None and self.bytes_accepted + pending.nbytes > self.max_bytes:
             return None, f"byte budget of {self.max_bytes} exhausted"
-        entry = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape)}
-        try:
-            shard = self._shard_for(name, entry, nbytes)
-            if nbytes:
-                _write_all(shard.handle, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-        except OSError as error:
-            self._fail(f"disk error: {error.strerror or error}")
-            return None, self.failure
-        entry["data_offsets"] = [shard.size, shard.size + nbytes]
-        shard.entries[name] = entry
-        shard.size += nbytes
-        self.bytes_written += nbytes
-        self.files[name] = shard.path.name
+        self.bytes_accepted += pending.nbytes
+        if self._pending_limit <= 0:
+            self._writer.write(pending)
+        else:
+            self._enqueue(pending)
         return name, None
 
-    def _prepare(self, tensor: torch.Tensor) -> torch.Tensor | str:
+    def _prepare(self, tensor: torch.Tensor, name: str) -> _Pending | str:
         data = tensor.detach()
         if data.layout != torch.strided or data.is_meta:
             return f"{data.layout} tensors are not stored"
@@ -118,7 +143,117 @@ class TensorStore:
             data = data.to(self.save_dtype)
         if data.dtype not in SAFETENSORS_DTYPES:
             return f"dtype {data.dtype} cannot be stored in safetensors"
-        return data.to("cpu").contiguous()
+        if data.device.type != "cpu":
+            return _device_to_host(data, name)
+        data = data.contiguous()
+        if data.data_ptr() != tensor.data_ptr() or self._pending_limit <= 0:
+            return _Pending(name, data, None)  # a private copy, or written before put returns
+        version = tensor_version(data)
+        if version is None:  # no version counter to detect a later in-place change: snapshot now
+            return _Pending(name, data.clone(), None)
+        return _Pending(name, data, version)
+
+    def protect(self, tensor: torch.Tensor) -> None:
+        """Snapshot ``tensor`` if it still waits to be written: the caller is about to change it in place."""
+        if self._thread is None:
+            return
+        with self._condition:
+            for pending in self._queue:
+                if pending is not None and pending.version is not None and pending.data.data_ptr() == tensor.data_ptr():
+                    pending.data = pending.data.clone()
+                    pending.version = None
+
+    def _enqueue(self, pending: _Pending) -> None:
+        with self._condition:
+            while self._pending_size > 0 and self._pending_size + pending.nbytes > self._pending_limit:
+                self._condition.wait()
+            self._queue.append(pending)
+            self._pending_size += pending.nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="paritylab-writer", daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    def _drain(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue:
+                    self._condition.wait()
+                pending = self._queue.popleft()
+            if pending is None:
+                return
+            try:
+                self._writer.write(pending)
+            except Exception as error:  # never leave put() waiting on a dead thread
+                self._writer.failure = self._writer.failure or f"writer error: {type(error).__name__}: {error}"
+                self.skipped[pending.name] = self._writer.failure
+            with self._condition:
+                self._pending_size -= pending.nbytes
+                self._condition.notify_all()
+
+    def close(self) -> None:
+        """Wait for pending writes and finish the open shard. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            with self._condition:
+                self._queue.append(None)
+                self._condition.notify_all()
+            self._thread.join()
+        self._writer.close()
+
+
+class _ShardWriter:
+    """Appends tensors to the current shard; only one thread at a time calls it."""
+
+    def __init__(self, store: TensorStore, shard_bytes: int, metadata: dict[str, str], prefix: str) -> None:
+        self.store = store
+        self.shard_bytes = shard_bytes
+        self.metadata = metadata
+        self.prefix = prefix
+        self.failure: str | None = None
+        self.bytes_written = 0
+        self._shard: _Shard | None = None
+        self._count = 0
+        self._metadata_bytes = len(json.dumps({"__metadata__": metadata}))
+
+    def write(self, pending: _Pending) -> None:
+        name, data = pending.name, pending.data
+        if self.failure is not None:
+            self.store.skipped[name] = self.failure
+            return
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        nbytes = pending.nbytes
+        entry: dict[str, Any] = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape)}
+        try:
+            shard = self._shard_for(name, entry, nbytes)
+            if pending.version is not None and tensor_version(data) != pending.version:
+                self.store.skipped[name] = "modified in place before it was written"
+                return
+            if nbytes:
+                _write_all(shard.handle, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        except OSError as error:
+            self._fail(f"disk error: {error.strerror or error}")
+            self.store.skipped[name] = self.failure or "disk error"
+            return
+        if pending.version is not None and tensor_version(data) != pending.version:
+            self._discard_last(shard, nbytes)
+            self.store.skipped[name] = "modified in place while it was written"
+            return
+        entry["data_offsets"] = [shard.size, shard.size + nbytes]
+        shard.entries[name] = entry
+        shard.size += nbytes
+        self.bytes_written += nbytes
+        self.store.files[name] = shard.path.name
+
+    def _discard_last(self, shard: _Shard, nbytes: int) -> None:
+        try:
+            shard.handle.seek(8 + HEADER_CAPACITY + shard.size)
+            shard.handle.truncate()
+        except OSError as error:
+            self._fail(f"disk error: {error.strerror or error}")
 
     def _shard_for(self, name: str, entry: dict[str, Any], nbytes: int) -> _Shard:
         entry_bytes = len(json.dumps({name: {**entry, "data_offsets": [2**62, 2**62]}}))
@@ -133,8 +268,8 @@ class TensorStore:
         return shard
 
     def _open_shard(self) -> _Shard:
-        final = self.directory / f"{self.prefix}-{self._shard_count:05d}.safetensors"
-        self._shard_count += 1
+        final = self.store.directory / f"{self.prefix}-{self._count:05d}.safetensors"
+        self._count += 1
         partial = final.with_name(final.name + ".partial")
         handle = open(partial, "wb", buffering=0)  # noqa: SIM115 - closed in _close_shard
         try:
@@ -166,9 +301,10 @@ class TensorStore:
         except OSError as error:
             shard.handle.close()
             partial.unlink(missing_ok=True)
-            for name in shard.entries:
-                self.files.pop(name, None)
             self.failure = self.failure or f"disk error: {error.strerror or error}"
+            for name in shard.entries:
+                self.store.files.pop(name, None)
+                self.store.skipped[name] = self.failure
 
     def _fail(self, reason: str) -> None:
         """Stop saving: keep what was fully written (the shard is cut back to its last whole tensor)."""
@@ -176,8 +312,26 @@ class TensorStore:
         self._close_shard()
 
     def close(self) -> None:
-        """Finish the open shard. Safe to call twice."""
         self._close_shard()
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter, or ``None`` for inference tensors, which have none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return None
+
+
+def _device_to_host(data: torch.Tensor, name: str) -> _Pending:
+    """Start an asynchronous copy into pinned host memory; the writer waits on its event."""
+    host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    host.copy_(data, non_blocking=data.device.type == "cuda")
+    ready = None
+    if data.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()
+    return _Pending(name, host, None, ready)
 
 
 def _write_all(handle: Any, data: memoryview) -> None:

@@ -163,8 +163,8 @@ class Trace:
             "captures": self.captures,
             "calls": [call.to_json() for call in self.calls],
         }
-        _write_json(target / TRACE_FILE, document)
-        _write_json(target / INDEX_FILE, self.slot_index())
+        write_json(target / TRACE_FILE, document)
+        write_json(target / INDEX_FILE, self.slot_index())
         return target / TRACE_FILE
 
     def slot_index(self) -> dict[str, Any]:
@@ -277,11 +277,14 @@ def as_float(value: object) -> float:
     return math.nan
 
 
-def _write_json(path: Path, document: Any) -> None:
-    """Write JSON atomically: a reader never sees half a file."""
+def write_json(path: Path, document: Any) -> None:
+    """Write compact standard JSON atomically (a reader never sees half a file)."""
+    try:
+        text = json.dumps(document, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: spell it as a string
+        text = json.dumps(json_safe(document), separators=(",", ":"), allow_nan=False)
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        json.dump(json_safe(document), handle, separators=(",", ":"), allow_nan=False)
+    partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
 
 

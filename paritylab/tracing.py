@@ -25,7 +25,7 @@ from torch import nn
 
 from paritylab.capture import CaptureSpec, resolve_specs
 from paritylab.stats import StatsBatch, supports_stats
-from paritylab.storage import DEFAULT_SHARD_BYTES, TensorStore
+from paritylab.storage import DEFAULT_PENDING_BYTES, DEFAULT_SHARD_BYTES, TensorStore, tensor_version
 from paritylab.tracefile import CallRecord, Trace
 from paritylab.values import Node, encode, pick
 
@@ -44,6 +44,7 @@ class TraceOptions:
     save_tensors: bool = False
     max_bytes: int | None = None
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    pending_bytes: int = DEFAULT_PENDING_BYTES
     save_dtype: torch.dtype | None = None
     grad: bool = False
     capture: Iterable[CaptureSpec] | str | None = "auto"
@@ -63,7 +64,7 @@ class _Seen:
     """What was already recorded for one tensor object, so it is summarised and stored only once."""
 
     ref: weakref.ReferenceType[torch.Tensor]
-    version: int
+    version: int | None
     stats: int | None
     stored: str | None
     skipped: str | None
@@ -109,6 +110,7 @@ class Tracer:
                 self.directory,
                 max_bytes=self.options.max_bytes,
                 shard_bytes=self.options.shard_bytes,
+                pending_bytes=self.options.pending_bytes,
                 save_dtype=self.options.save_dtype,
                 metadata=self._provenance(),
             )
@@ -172,6 +174,10 @@ class Tracer:
         )
         if self.options.inputs:
             record.inputs = encode({"args": args, "kwargs": kwargs}, self._encode_tensor)
+        if self._store is not None and getattr(module, "inplace", False) is True:
+            for tensor in (*args, *kwargs.values()):
+                if isinstance(tensor, torch.Tensor):
+                    self._store.protect(tensor)
         self.trace.calls.append(record)
         self._stack.append((record, sys.exc_info()[1]))
 
@@ -210,7 +216,7 @@ class Tracer:
 
     def _lookup(self, tensor: torch.Tensor) -> _Seen | None:
         seen = self._seen.get(id(tensor))
-        if seen is None or seen.ref() is not tensor or seen.version != _version(tensor):
+        if seen is None or seen.ref() is not tensor or seen.version != tensor_version(tensor):
             return None
         return seen
 
@@ -220,8 +226,8 @@ class Tracer:
         if self._store is not None and (self.options.save_tensors if save is None else save):
             stored, skipped = self._store.put(tensor, f"t{self._stored}")
             self._stored += 1
-        seen = _Seen(weakref.ref(tensor), _version(tensor), stats, stored, skipped)
-        if seen.version >= 0:  # inference tensors have no version counter: never assume they are unchanged
+        seen = _Seen(weakref.ref(tensor), tensor_version(tensor), stats, stored, skipped)
+        if seen.version is not None:  # inference tensors have no version counter: never assume them unchanged
             self._seen[id(tensor)] = seen
         return seen
 
@@ -271,13 +277,13 @@ class Tracer:
 
     def _mark_unsaved(self) -> None:
         """Tensors whose shard could not be finished lose their ref and say why."""
-        failure = self._store.failure if self._store is not None else None
+        store = self._store
+        assert store is not None
         for call in self.trace.calls:
             for side in ("inputs", "outputs"):
                 for _, node in call.tensors(side):
                     if "ref" in node and node["ref"] not in self.trace.files:
-                        del node["ref"]
-                        node["skipped"] = failure or "shard lost"
+                        node["skipped"] = store.skipped.get(node.pop("ref")) or store.failure or "not written"
         for entries in self.trace.captures.values():
             for entry in entries:
                 if entry.get("ref") not in self.trace.files:
@@ -355,13 +361,6 @@ def trace(
     ``save_tensors=True``, the tensor shards, even when the forward raises.
     """
     return Tracer(model, directory, TraceOptions(**options))
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference-mode tensors
-        return -1
 
 
 def _slot(output: Any, index: int | str | None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -55,6 +56,8 @@ def encode(value: object, on_tensor: TensorEncoder) -> Node:
         return on_tensor(tensor)
     if value is None:
         return {"t": "none"}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"t": "object", "repr": repr(value)}  # JSON holds no NaN/Inf
     if isinstance(value, bool | int | float | str):
         return {"t": "scalar", "v": value if not isinstance(value, str) else value[:_MAX_REPR]}
     if isinstance(value, tuple | list):

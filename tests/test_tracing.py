@@ -240,6 +240,7 @@ def test_stats_match_torch():
         model(y)
     special = trace.calls[0].outputs["stats"]
     assert special["nan"] == 1 and special["inf"] == 2
+    assert (special["mean"], special["min"], special["max"]) == (0.0, -3.0, 2.0)  # over the finite values
     stats = trace.calls[1].outputs["stats"]
     assert list(stats) == list(STAT_NAMES)
     assert stats["mean"] == pytest.approx(y.mean().item(), abs=1e-6)
@@ -248,6 +249,10 @@ def test_stats_match_torch():
     assert stats["absmax"] == y.abs().max().item()
     assert stats["norm"] == pytest.approx(y.norm().item(), rel=1e-5)
     assert stats["nan"] == 0 and stats["inf"] == 0
+    huge = torch.full((4,), 1e30)
+    with paritylab.trace(model) as trace:
+        model(huge)
+    assert trace.calls[0].outputs["stats"]["norm"] == pytest.approx(2e30, rel=1e-6)  # float32 squares overflow
 
 
 def test_selection_by_pattern_depth_and_side():
