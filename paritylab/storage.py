@@ -39,7 +39,7 @@ HEADER_CAPACITY = 256 * 1024
 """Bytes reserved for each shard's JSON header; a shard rolls over before its header would exceed it."""
 
 DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_PENDING_BYTES = 256 << 20
+DEFAULT_PENDING_BYTES = 32 << 20
 
 
 class StorageError(ValueError):
