@@ -18,17 +18,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paritylab.patterns import compile_pattern, fill
 from paritylab.tracefile import CallRecord, Trace, as_float
 from paritylab.values import Node, first_tensor_slot, iter_tensors
 
 Index = int | str | None
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
 _TOKEN = re.compile(r"[a-z]+|\d+")
-MIN_AUTO_SCORE = 0.35
+MIN_AUTO_SCORE = 0.3
+MIN_STRUCTURE = 0.3
+"""Automatic pairs need this much structural evidence (names, layer numbers), or ..."""
+SAME_STATS = 0.9
+"""... output statistics at least this similar (1 = identical): shape alone is never enough."""
+RESCUE_SCORE = 0.75
+RESCUE_STATS = 0.99
+"""Out-of-order matches (a port that runs two branches in the other order) need this much similarity,
+or output statistics this close to identical."""
 
 
 class AlignmentError(ValueError):
     """Alignment rules that cannot be used as given."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Part of the last dimension: ``[start, stop)``, or the ``index``-th of ``count`` equal chunks."""
+
+    start: int = 0
+    stop: int | None = None
+    index: int | None = None
+    count: int | None = None
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        if self.index is not None and self.count:
+            step = size // self.count
+            return self.index * step, (self.index + 1) * step
+        return slice(self.start, self.stop).indices(size)[:2]
+
+    def to_yaml(self) -> dict[str, list[int | None]]:
+        if self.index is not None:
+            return {"chunk": [self.index, self.count]}
+        return {"slice": [self.start, self.stop]}
 
 
 @dataclass(frozen=True)
@@ -39,38 +69,32 @@ class Rule:
     candidate: str | None
     reference_index: Index = None
     candidate_index: Index = None
-    reference_slice: tuple[int, int] | None = None
-    candidate_slice: tuple[int, int] | None = None
-    """Compare only ``[start:stop]`` of the last dimension (e.g. the q part of a fused qkv projection)."""
+    reference_part: Part | None = None
+    candidate_part: Part | None = None
+    """Compare only part of the last dimension (e.g. the q part of a fused qkv projection)."""
 
     def match(self, path: str) -> str | bool | None:
         """The candidate path for reference ``path``, ``None`` if deliberately unmatched, ``False`` if no match."""
-        found = _compile(self.reference).fullmatch(path)
+        found = compile_pattern(self.reference).fullmatch(path)
         if found is None:
             return False
         if self.candidate is None:
             return None
-        if self.reference.startswith("re:"):
-            return found.expand(self.candidate.removeprefix("re:"))
-        parts = self.candidate.split("{}")
-        numbers = found.groups()
-        if len(parts) - 1 > len(numbers):
-            raise AlignmentError(f"rule {self.reference!r} -> {self.candidate!r}: more {{}} on the candidate side")
-        return parts[0] + "".join(number + part for number, part in zip(numbers, parts[1:], strict=False))
+        try:
+            return fill(self.candidate, found)
+        except ValueError as error:
+            raise AlignmentError(f"rule {self.reference!r} -> {self.candidate!r}: {error}") from error
 
     def to_yaml(self) -> dict[str, Any]:
         data: dict[str, Any] = {"reference": self.reference, "candidate": self.candidate}
-        for name in ("reference_index", "candidate_index", "reference_slice", "candidate_slice"):
-            value = getattr(self, name)
-            if value is not None:
-                data[name] = list(value) if isinstance(value, tuple) else value
+        for side in ("reference", "candidate"):
+            index, part = getattr(self, f"{side}_index"), getattr(self, f"{side}_part")
+            if index is not None:
+                data[f"{side}_index"] = index
+            if part is not None:
+                kind, value = next(iter(part.to_yaml().items()))
+                data[f"{side}_{kind}"] = value
         return data
-
-
-def _compile(pattern: str) -> re.Pattern[str]:
-    if pattern.startswith("re:"):
-        return re.compile(pattern[3:])
-    return re.compile("".join(r"(\d+)" if part == "{}" else re.escape(part) for part in re.split(r"(\{\})", pattern)))
 
 
 def parse_rules(data: object) -> list[Rule]:
@@ -90,27 +114,40 @@ def parse_rules(data: object) -> list[Rule]:
 def _rule(entry: object, position: int) -> Rule:
     if not isinstance(entry, Mapping) or "reference" not in entry or "candidate" not in entry:
         raise AlignmentError(f"rule #{position} needs 'reference' and 'candidate' keys (candidate may be null)")
-    known = {"reference", "candidate", "reference_index", "candidate_index", "reference_slice", "candidate_slice"}
+    known = {"reference", "candidate"} | {
+        f"{side}_{kind}" for side in ("reference", "candidate") for kind in ("index", "slice", "chunk")
+    }
     unknown = set(entry) - known
     if unknown:
         raise AlignmentError(f"rule #{position} has unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
-    slices = {name: _slice(entry.get(name), position) for name in ("reference_slice", "candidate_slice")}
     candidate = entry["candidate"]
     return Rule(
         str(entry["reference"]),
         None if candidate is None else str(candidate),
         entry.get("reference_index"),
         entry.get("candidate_index"),
-        **slices,
+        _part(entry, "reference", position),
+        _part(entry, "candidate", position),
     )
 
 
-def _slice(value: object, position: int) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise AlignmentError(f"rule #{position}: a slice is [start, stop] of the last dimension, got {value!r}")
+def _part(entry: Mapping[str, Any], side: str, position: int) -> Part | None:
+    cut, chunk = entry.get(f"{side}_slice"), entry.get(f"{side}_chunk")
+    if cut is not None and chunk is not None:
+        raise AlignmentError(f"rule #{position}: give {side}_slice or {side}_chunk, not both")
+    for name, value in ((f"{side}_slice", cut), (f"{side}_chunk", chunk)):
+        if value is None:
+            continue
+        pair_ok = isinstance(value, Sequence) and len(value) == 2
+        if not pair_ok or not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in value):
+            raise AlignmentError(f"rule #{position}: {name} must be [start, stop] / [index, count], got {value!r}")
+        if name.endswith("chunk"):
+            index, count = value
+            if index is None or count is None or not 0 <= index < count:
+                raise AlignmentError(f"rule #{position}: {name} [index, count] needs 0 <= index < count")
+            return Part(index=value[0], count=value[1])
+        return Part(start=value[0] or 0, stop=value[1])
+    return None
 
 
 def load_rules(path: str | Path) -> list[Rule]:
@@ -135,8 +172,8 @@ class Pair:
     score: float = 1.0
     reference_index: Index = None
     candidate_index: Index = None
-    reference_slice: tuple[int, int] | None = None
-    candidate_slice: tuple[int, int] | None = None
+    reference_part: Part | None = None
+    candidate_part: Part | None = None
 
 
 @dataclass
@@ -176,13 +213,16 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
             continue
         if pair is False:
             pair = _by_identity(call, cand_by_key)
-        if pair and pair.candidate not in taken:
+        shared = pair and pair.candidate_part is not None  # parts of one fused call may serve several
+        if pair and (shared or pair.candidate not in taken):
             taken.add(pair.candidate)
             fixed[position] = (cand_position[pair.candidate], pair)
     anchors = _monotone_chain(sorted((r, c) for r, (c, _) in fixed.items()))
     skip_ref = set(fixed) | {i for i, call in enumerate(ref_calls) if call.key in ignored}
     skip_cand = {c for c, _ in fixed.values()}
     automatic = _align_segments(ref_calls, cand_calls, anchors, skip_ref, skip_cand)
+    taken_cand = skip_cand | {cand_position[pair.candidate] for pair in automatic.values()}
+    automatic |= _rescue(ref_calls, cand_calls, skip_ref | set(automatic), taken_cand)
     pairs_by_ref = {r: pair for r, (_, pair) in fixed.items()} | automatic
     pairs = [pairs_by_ref[i] for i in sorted(pairs_by_ref)]
     matched_cand = {pair.candidate for pair in pairs}
@@ -212,8 +252,8 @@ def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRec
             1.0,
             rule.reference_index,
             rule.candidate_index,
-            rule.reference_slice,
-            rule.candidate_slice,
+            rule.reference_part,
+            rule.candidate_part,
         )
     return False
 
@@ -263,6 +303,36 @@ def _align_segments(
         cols = [j for j in range(c0 + 1, c1) if j not in skip_cand]
         for i, j, score in _dp(rows, cols, ref_features, cand_features):
             found[i] = Pair(ref_calls[i].key, cand_calls[j].key, "auto", round(score, 4))
+    return found
+
+
+def _rescue(
+    ref_calls: list[CallRecord], cand_calls: list[CallRecord], skip_ref: set[int], skip_cand: set[int]
+) -> dict[int, Pair]:
+    """Greedy best-first matching of what the ordered pass left, for branches run in another order."""
+    rows = [i for i in range(len(ref_calls)) if i not in skip_ref]
+    cols = [j for j in range(len(cand_calls)) if j not in skip_cand]
+    if not rows or not cols:
+        return {}
+    ref = {i: _Features.of(ref_calls[i]) for i in rows}
+    cand = {j: _Features.of(cand_calls[j]) for j in cols}
+    scored = sorted(
+        (
+            (_stats_similarity(ref[i].stats, cand[j].stats), ref[i].similarity(cand[j]), i, j)
+            for i in rows
+            for j in cols
+            if ref[i].shape is not None and ref[i].shape == cand[j].shape
+        ),
+        reverse=True,
+    )
+    found: dict[int, Pair] = {}
+    used: set[int] = set()
+    for same_stats, score, i, j in scored:
+        if score < RESCUE_SCORE and not (same_stats >= RESCUE_STATS and ref[i].stats is not None):
+            continue
+        if i not in found and j not in used:
+            found[i] = Pair(ref_calls[i].key, cand_calls[j].key, "auto", round(score, 4))
+            used.add(j)
     return found
 
 
@@ -331,17 +401,23 @@ class _Features:
         )
 
     def similarity(self, other: _Features) -> float:
-        """0 when output shapes differ; else a weighted mix of stats, numbers, names and classes."""
+        """0 unless output shapes agree and there is evidence beyond shape: near-identical output
+        statistics, or structure (layer numbers, names, class). Else a mix of both, in (0, 1]."""
         if self.shape is None or self.shape != other.shape:
             return 0.0
-        score = 0.25
-        score += 0.35 * _stats_similarity(self.stats, other.stats)
-        if self.numbers and other.numbers:
-            score += 0.15 if self.numbers == other.numbers else (-0.2 if self.numbers[-1] != other.numbers[-1] else 0)
-        names = _dice(self.name, other.name)
+        structure = self.structure(other)
+        same_stats = _stats_similarity(self.stats, other.stats)
+        if structure < MIN_STRUCTURE and same_stats < SAME_STATS:
+            return 0.0
+        return 0.6 * same_stats + 0.4 * structure
+
+    def structure(self, other: _Features) -> float:
+        """Evidence from names alone: equal layer numbers, similar leaf names, shared tokens, same class."""
+        if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
+            return 0.0  # layer 3 is not layer 4, whatever the names say
+        numbers = 1.0 if self.numbers and self.numbers == other.numbers else 0.0
         overlap = len(self.tokens & other.tokens) / max(1, min(len(self.tokens), len(other.tokens)))
-        score += 0.1 * names + 0.1 * overlap + 0.05 * (self.cls == other.cls)
-        return min(score, 1.0)
+        return 0.5 * numbers + 0.3 * _dice(self.name, other.name) + 0.1 * overlap + 0.1 * (self.cls == other.cls)
 
 
 def _dice(a: frozenset[str], b: frozenset[str]) -> float:
@@ -386,8 +462,8 @@ def _generalise(pairs: list[Pair]) -> list[Rule]:
             _NUMBER.sub("{}", cand_path) if generic else cand_path,
             pair.reference_index,
             pair.candidate_index,
-            pair.reference_slice,
-            pair.candidate_slice,
+            pair.reference_part,
+            pair.candidate_part,
         )
         groups.setdefault(key, []).append(pair)
     by_reference_pattern: dict[str, int] = {}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from paritylab.alignment import Alignment, Pair, Rule, align, primary_slot
+from paritylab.alignment import Alignment, Pair, Part, Rule, align, primary_slot
 from paritylab.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
 from paritylab.tracefile import CallRecord, Trace, display_path
 from paritylab.values import Node, first_tensor_slot, iter_tensors
@@ -122,6 +122,8 @@ class Report:
     reference_meta: dict[str, Any] = field(default_factory=dict)
     candidate_meta: dict[str, Any] = field(default_factory=dict)
     first_nonfinite: dict[str, str | None] = field(default_factory=dict)
+    replay_origins: list[Row] = field(default_factory=list)
+    """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.replay.attach_replay` ran."""
 
     @property
     def passed(self) -> bool:
@@ -157,6 +159,7 @@ class Report:
             "failed": len(self.failing),
             "skipped": sum(row.verdict == "skip" for row in self.rows),
             "origins": [row.path for row in self.origins],
+            "replay_origins": [row.path for row in self.replay_origins],
             "first_divergence": self.first_divergence.path if self.first_divergence else None,
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
             "worst_rel_l2": worst.rel_l2 if worst else None,
@@ -247,8 +250,8 @@ def _compare_pair(
     row = Row(
         index=ref_call.index,
         path=ref_call.path,
-        reference=_side(ref_call.key, ref_slot, ref_node, pair.reference_slice),
-        candidate=_side(cand_call.key, cand_slot, cand_node, pair.candidate_slice),
+        reference=_side(ref_call.key, ref_slot, ref_node, pair.reference_part),
+        candidate=_side(cand_call.key, cand_slot, cand_node, pair.candidate_part),
         status="compared",
         verdict="skip",
         source=pair.source,
@@ -262,7 +265,7 @@ def _compare_pair(
     dtypes = [n["dtype"] for n in (ref_node, cand_node) if n is not None]
     row.tolerance = tolerances.resolve(ref_call.path, *dtypes) if dtypes else None
     row.status, row.verdict, row.metrics, row.note = _judge(
-        reference, candidate, ref_node, cand_node, pair.reference_slice, pair.candidate_slice, row.tolerance
+        reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
     )
     ref_in, cand_in = _primary_input(ref_call), _primary_input(cand_call)
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
@@ -277,8 +280,8 @@ def _judge(
     candidate: Trace,
     ref_node: Node | None,
     cand_node: Node | None,
-    ref_slice: tuple[int, int] | None,
-    cand_slice: tuple[int, int] | None,
+    ref_slice: Part | None,
+    cand_slice: Part | None,
     tolerance: Tolerance | None,
 ) -> tuple[str, str, dict[str, float], str]:
     """(status, verdict, metrics, note) for one pair of tensor nodes."""
@@ -377,7 +380,7 @@ def _first_nonfinite(trace: Trace) -> str | None:
     return min(innermost, key=lambda call: call.index).key
 
 
-def _side(key: str, slot: str | None, node: Node | None, cut: tuple[int, int] | None) -> Side:
+def _side(key: str, slot: str | None, node: Node | None, cut: Part | None) -> Side:
     if node is None:
         return Side(key, slot)
     return Side(key, slot, node["dtype"], _sliced_shape(node["shape"], cut))
@@ -394,15 +397,18 @@ def _primary_input(call: CallRecord) -> Node | None:
     return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None
 
 
-def _sliced_shape(shape: list[int], cut: tuple[int, int] | None) -> list[int]:
+def _sliced_shape(shape: list[int], cut: Part | None) -> list[int]:
     if cut is None or not shape:
         return list(shape)
-    start, stop = slice(*cut).indices(shape[-1])[:2]
+    start, stop = cut.bounds(shape[-1])
     return [*shape[:-1], max(0, stop - start)]
 
 
-def _cut(value: torch.Tensor, cut: tuple[int, int] | None) -> torch.Tensor:
-    return value if cut is None else value[..., cut[0] : cut[1]]
+def _cut(value: torch.Tensor, cut: Part | None) -> torch.Tensor:
+    if cut is None:
+        return value
+    start, stop = cut.bounds(value.shape[-1])
+    return value[..., start:stop]
 
 
 def _numel(shape: list[int]) -> int:

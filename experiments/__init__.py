@@ -1,0 +1,1 @@
+"""Model code under test (ports compared against their references by paritylab)."""

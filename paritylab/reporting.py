@@ -1,0 +1,188 @@
+"""Render a comparison :class:`~paritylab.comparison.Report` as a console table, markdown, JSON or HTML."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from typing import Any
+
+from paritylab.comparison import Report, Row
+from paritylab.tracefile import display_path, json_safe
+
+_COLUMNS = ("#", "module", "candidate", "status", "verdict", "cause", "rel_l2", "max_abs", "cosine", "input_rel")
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A short number: scientific for small/large magnitudes, ``-`` when absent."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"
+    if 1e-2 <= abs(value) < 1e4:
+        return f"{value:.{digits + 2}g}"
+    return f"{value:.{digits}e}"
+
+
+def _cells(row: Row) -> list[str]:
+    return [
+        str(row.index),
+        display_path(row.path),
+        row.candidate.key.rsplit("#", 1)[0] if row.candidate else "-",
+        row.status,
+        row.verdict,
+        row.cause or "",
+        fmt(row.metrics.get("rel_l2")),
+        fmt(row.metrics.get("max_abs")),
+        fmt(row.metrics.get("cosine"), 6) if "cosine" in row.metrics else "-",
+        fmt(row.input_metrics.get("rel_l2")),
+    ]
+
+
+def headline(report: Report) -> str:
+    """One line: the verdict and where divergence starts."""
+    summary = report.summary()
+    if report.errors:
+        side, error = next(iter(report.errors.items()))
+        where = display_path(error.get("module") or "") if error.get("module") is not None else "?"
+        return f"ERROR: the {side} forward raised {error.get('type')} in {where}: {error.get('message')}"
+    if report.passed:
+        return f"PASS: {summary['passed']} modules within tolerance (output rel_l2 {fmt(summary['output_rel_l2'])})"
+    first = report.first_divergence
+    where = display_path(first.path) if first else "?"
+    return (
+        f"FAIL: divergence starts at {where} (rel_l2 {fmt(first.rel_l2 if first else None)}); "
+        f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
+    )
+
+
+def to_console(report: Report, limit: int | None = 60) -> str:
+    """A plain-text table of the judged rows (failing ones and their context first when it is long)."""
+    rows = [row for row in report.rows if row.status != "unmatched"]
+    if limit is not None and len(rows) > limit:
+        keep = {row.index for row in rows if row.diverged or row.verdict == "fail"}
+        keep |= {row.index for row in rows[:5]}
+        rows = [row for row in rows if row.index in keep][:limit]
+    table = [list(_COLUMNS)] + [_cells(row) for row in rows]
+    widths = [min(max(len(r[i]) for r in table), 60) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell[:60].ljust(width) for cell, width in zip(r, widths, strict=True)) for r in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
+    lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
+    lines.append(headline(report))
+    return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+def to_markdown(report: Report, limit: int | None = 200) -> str:
+    """A markdown summary and table, safe to embed in MLflow descriptions and CI comments."""
+    summary = report.summary()
+    lines = [f"**{_md_escape(headline(report))}**", ""]
+    if report.origins:
+        lines.append("Origins: " + ", ".join(f"`{_md_escape(display_path(r.path))}`" for r in report.origins))
+        lines.append("")
+    lines.append("| " + " | ".join(_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(_COLUMNS))
+    rows = [row for row in report.rows if row.status != "unmatched"]
+    for row in rows[:limit]:
+        lines.append("| " + " | ".join(_md_escape(cell) for cell in _cells(row)) + " |")
+    if limit is not None and len(rows) > limit:
+        lines.append(f"| … | {len(rows) - limit} more rows | | | | | | | | |")
+    lines.append("")
+    lines.append(
+        f"{summary['passed']} pass, {summary['failed']} fail, {summary['skipped']} skipped; "
+        f"unmatched: {summary['unmatched_reference']} reference, {summary['unmatched_candidate']} candidate."
+    )
+    return "\n".join(lines)
+
+
+def to_json(report: Report) -> str:
+    """The full report as standard JSON (non-finite numbers spelt as strings)."""
+    return json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False)
+
+
+def to_html(report: Report, title: str = "paritylab report", images: dict[str, str] | None = None) -> str:
+    """A self-contained HTML page; every name shown is escaped (module names come from user code).
+
+    ``images`` maps captions to base64-encoded PNGs to embed.
+    """
+    esc = html.escape
+    rows_html = []
+    for row in report.rows:
+        css = {"fail": "fail", "pass": "pass"}.get(row.verdict, "skip")
+        cells = "".join(f"<td>{esc(cell)}</td>" for cell in _cells(row))
+        rows_html.append(f'<tr class="{css}">{cells}</tr>')
+    figures = "".join(
+        f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}"><figcaption>{esc(caption)}'
+        "</figcaption></figure>"
+        for caption, data in (images or {}).items()
+    )
+    summary = esc(json.dumps(json_safe(report.summary()), indent=1))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; font-size: 13px; }}
+td, th {{ border: 1px solid #ddd; padding: 2px 6px; text-align: left; }}
+tr.fail {{ background: #fde2e2; }} tr.pass {{ background: #f3fbf3; }} tr.skip {{ color: #888; }}
+figure {{ display: inline-block; margin: 1em; }} img {{ max-width: 720px; }}
+pre {{ background: #f6f6f6; padding: 1em; }}
+</style></head><body>
+<h1>{esc(title)}</h1>
+<p><strong>{esc(headline(report))}</strong></p>
+{figures}
+<h2>Modules</h2>
+<table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)}</tr></thead>
+<tbody>{"".join(rows_html)}</tbody></table>
+<h2>Summary</h2><pre>{summary}</pre>
+</body></html>
+"""
+
+
+def rows_table(report: Report) -> dict[str, list[Any]]:
+    """Column-oriented rows (for ``mlflow.log_table`` and CSV)."""
+    columns: dict[str, list[Any]] = {
+        "index": [],
+        "module": [],
+        "candidate": [],
+        "status": [],
+        "verdict": [],
+        "cause": [],
+        "source": [],
+        "rel_l2": [],
+        "max_abs": [],
+        "mean_abs": [],
+        "cosine": [],
+        "sqnr_db": [],
+        "frac_outside": [],
+        "input_rel_l2": [],
+        "local_rel_l2": [],
+        "amplification": [],
+        "note": [],
+    }
+    for row in report.rows:
+        columns["index"].append(row.index)
+        columns["module"].append(display_path(row.path))
+        columns["candidate"].append(row.candidate.key if row.candidate else "")
+        columns["status"].append(row.status)
+        columns["verdict"].append(row.verdict)
+        columns["cause"].append(row.cause)
+        columns["source"].append(row.source)
+        for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
+            columns[name].append(_finite(row.metrics.get(name)))
+        columns["input_rel_l2"].append(_finite(row.input_metrics.get("rel_l2")))
+        columns["local_rel_l2"].append(_finite(row.local.get("local_rel_l2")))
+        columns["amplification"].append(_finite(row.local.get("amplification")))
+        columns["note"].append(row.note)
+    return columns
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
