@@ -260,7 +260,7 @@ def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRec
 
 def _by_identity(call: CallRecord, cand_by_key: dict[str, CallRecord]) -> Pair | bool:
     other = cand_by_key.get(call.key)
-    if other is None or _signature(call) != _signature(other):
+    if other is None:
         return False
     return Pair(call.key, other.key, "identity")
 
@@ -361,11 +361,6 @@ def _dp(rows: list[int], cols: list[int], ref: list[_Features], cand: list[_Feat
         else:
             b += 1
     return matches
-
-
-def _signature(call: CallRecord) -> tuple[Any, ...]:
-    node = _primary(call.outputs)
-    return (tuple(node["shape"]), node["dtype"]) if node else ()
 
 
 def _primary(outputs: Node | None) -> Node | None:

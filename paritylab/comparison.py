@@ -316,7 +316,7 @@ def _apply_floor(row: Row, floor: float | None, multiple: float) -> None:
         row.note = f"within {multiple:g}x the noise floor"
 
 
-def _relative(metrics: Mapping[str, float]) -> float | None:
+def relative_error(metrics: Mapping[str, float]) -> float | None:
     """Relative error of a row: rel_l2 from values, else the largest relative stats difference."""
     if "rel_l2" in metrics:
         return metrics["rel_l2"]
@@ -332,9 +332,9 @@ def _mark_divergence(row: Row, noise_multiple: float) -> None:
     if row.floor is not None:
         threshold = max(threshold, noise_multiple * row.floor)
     nonfinite = any(row.metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
-    out = _relative(row.metrics)
+    out = relative_error(row.metrics)
     row.diverged = row.status in ("shape-mismatch", "error") or nonfinite or (out is not None and out > threshold)
-    into = _relative(row.input_metrics)
+    into = relative_error(row.input_metrics)
     in_nonfinite = any(row.input_metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
     row.input_diverged = in_nonfinite or (into is not None and into > threshold)
     if row.input_diverged and out is not None and into is not None and not in_nonfinite and out > JUMP * into:

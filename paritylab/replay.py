@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from paritylab.alignment import Alignment, Pair, Part, primary_slot
-from paritylab.comparison import Report, compare_traces
+from paritylab.comparison import Report, compare_traces, relative_error
 from paritylab.metrics import Tolerances
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
@@ -139,11 +139,12 @@ def attach_replay(report: Report, reference: Trace, replay: Trace, tolerances: T
     local_rows = {row.index: row for row in replay_report.rows}
     for row in report.rows:
         local = local_rows.get(row.index)
-        if local is None or local.rel_l2 is None:
+        own = relative_error(local.metrics) if local is not None else None
+        if local is None or own is None:
             continue
-        inherited = row.input_metrics.get("rel_l2")
-        output = row.rel_l2
-        row.local = {"local_rel_l2": local.rel_l2, "local_diverged": float(local.diverged)}
+        inherited = relative_error(row.input_metrics)
+        output = relative_error(row.metrics)
+        row.local = {"local_rel_l2": own, "local_diverged": float(local.diverged)}
         if inherited is not None:
             row.local["inherited_rel_l2"] = inherited
         if output is not None and inherited:

@@ -1,0 +1,53 @@
+"""Test helpers: trace a model into a fresh directory and load it back; plant bugs with hooks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import paritylab
+from paritylab import Trace
+
+_counter = itertools.count()
+
+
+def traced(model: nn.Module, run: Callable[[nn.Module], Any], root: Path, **options: Any) -> Trace:
+    """Trace ``run(model)`` with tensors saved, and return the trace as loaded from disk."""
+    directory = root / f"trace-{next(_counter)}"
+    options.setdefault("save_tensors", True)
+    with paritylab.trace(model, directory, **options):
+        run(model)
+    return Trace.load(directory)
+
+
+@contextmanager
+def planted(model: nn.Module, path: str, scale: float = 1.05):
+    """Scale the output of one module: a bug at a known place."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] * scale, *output[1:])
+        return output * scale
+
+    handle = model.get_submodule(path).register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def llava_inputs(model: nn.Module, batch: int = 2, text: int = 6, seed: int = 3) -> dict[str, torch.Tensor]:
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    image_tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    ids = torch.randint(0, config.image_token_index, (batch, text + image_tokens), generator=generator)
+    ids[:, 1 : 1 + image_tokens] = config.image_token_index
+    size = config.vision_config.image_size
+    pixels = torch.randn(batch, 3, size, size, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels}

@@ -1,0 +1,67 @@
+"""``python -m paritylab.compare`` on trace directories, including ones written by transformers' debugger."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from transformers.model_debugging_utils import model_addition_debugger_context
+
+from tests.tiny import tiny_llama, token_ids
+
+IDS = token_ids(batch=1, length=5)
+
+
+def debugger_trace(model, directory):
+    with model_addition_debugger_context(model, debug_path=str(directory), do_prune_layers=False, use_repr=False):
+        model(IDS)
+    return directory
+
+
+def compare(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "paritylab.compare", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_debugger_traces_compare_through_the_cli(tmp_path):
+    reference = debugger_trace(tiny_llama(), tmp_path / "ref")
+    same = debugger_trace(tiny_llama(), tmp_path / "same")
+    result = compare(reference, same, "--json", tmp_path / "same.json")
+    assert result.returncode == 0, result.stderr
+    assert "PASS" in result.stdout
+    summary = json.loads((tmp_path / "same.json").read_text())["summary"]
+    assert summary["verdict"] == "pass" and summary["failed"] == 0 and summary["passed"] > 20
+
+    model = tiny_llama()
+    with torch.no_grad():  # the debugger records inside forward, before hooks: plant through the weights
+        model.model.layers[1].self_attn.v_proj.weight.mul_(1.05)
+    buggy = debugger_trace(model, tmp_path / "buggy")
+    result = compare(reference, buggy, "--markdown", tmp_path / "buggy.md", "--write-alignment", tmp_path / "a.yaml")
+    assert result.returncode == 1
+    assert "divergence starts at model.layers.1.self_attn.v_proj" in result.stdout
+    assert "model.layers.1.self_attn.v_proj" in (tmp_path / "buggy.md").read_text()
+    assert "rules:" in (tmp_path / "a.yaml").read_text()
+
+
+def test_tolerance_flags_and_bad_input(tmp_path):
+    reference = debugger_trace(tiny_llama(), tmp_path / "ref")
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1 + 1e-3)
+    candidate = debugger_trace(model, tmp_path / "cand")
+    assert compare(reference, candidate).returncode == 1
+    assert compare(reference, candidate, "--rtol", "1e-2", "--atol", "1e-5").returncode == 0
+
+    missing = compare(reference, tmp_path / "nowhere")
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1 and "is not a directory" in missing.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "trace.json").write_text("{not json")
+    broken = compare(reference, tmp_path / "broken")
+    assert broken.returncode == 2 and "not valid JSON" in broken.stderr
+    bad_rules = tmp_path / "rules.yaml"
+    bad_rules.write_text("- {reference: a}\n")
+    assert "needs 'reference' and 'candidate'" in compare(reference, reference, "--align", bad_rules).stderr

@@ -1,0 +1,297 @@
+"""Comparing traces: verdicts, localisation of a planted bug, replay, bf16, ports with other module names."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from experiments.llava_port import ALIGNMENT, from_reference
+from paritylab.alignment import AlignmentError, Rule, align, load_rules, parse_rules
+from paritylab.comparison import compare_traces, noise_floor
+from paritylab.metrics import Tolerance, Tolerances, divergence, within
+from paritylab.references import llava
+from paritylab.replay import attach_replay, isolated_replay
+from paritylab.weights import weight_parity
+from tests.helpers import llava_inputs, planted, traced
+from tests.tiny import tiny_llama, token_ids
+
+IDS = token_ids(batch=2, length=7)
+
+
+def forward(model: nn.Module) -> object:
+    return model(IDS)
+
+
+def test_identical_models_pass_every_row_with_zero_error(tmp_path):
+    reference = traced(tiny_llama(), forward, tmp_path)
+    candidate = traced(tiny_llama(), forward, tmp_path)
+    report = compare_traces(reference, candidate)
+    assert report.passed and report.first_divergence is None
+    assert len(report.rows) == len(reference.calls)
+    assert all(row.verdict == "pass" and row.source == "identity" for row in report.rows)
+    assert all(row.metrics["max_abs"] == 0 and row.metrics["cosine"] == 1 for row in report.rows)
+    assert report.summary()["output_rel_l2"] == 0
+
+
+PLANTS = [
+    "model.embed_tokens",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.input_layernorm",
+    "model.layers.1.mlp.act_fn",
+    "model.layers.1.mlp.down_proj",
+    "model.norm",
+]
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_planted_bug_is_localised_and_replay_isolates_it(tmp_path, plant):
+    reference = traced(tiny_llama(), forward, tmp_path)
+    model = tiny_llama()
+    with planted(model, plant, scale=1.02):
+        candidate = traced(model, forward, tmp_path)
+        report = compare_traces(reference, candidate)
+        replay = isolated_replay(model, forward, reference, candidate, report.alignment, tmp_path / "replay")
+    attach_replay(report, reference, replay)
+    assert not report.passed
+    assert report.first_divergence.path == plant
+    assert [row.path for row in report.origins] == [plant]
+    planted_row = next(row for row in report.rows if row.path == plant)
+    assert planted_row.cause == "origin"
+    assert planted_row.rel_l2 == pytest.approx(0.02, rel=1e-3)
+    downstream = [row for row in report.rows if row.index > planted_row.index and row.diverged]
+    assert downstream and all(row.cause in ("inherited", "contains-origin") for row in downstream)
+    assert [row.path for row in report.replay_origins] == [plant]
+    assert planted_row.local["local_rel_l2"] == pytest.approx(0.02, rel=1e-3)
+    others = [row.local["local_rel_l2"] for row in report.rows if row.local and row.path != plant]
+    assert max(others) < 1e-6
+
+
+class Residual(nn.Module):
+    """A block whose bug is in its own code between its children (the residual add)."""
+
+    def __init__(self, broken: bool) -> None:
+        super().__init__()
+        self.broken = broken
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(self.norm(x))
+        h = x + (h * 1.5 if self.broken else h)
+        return self.out(h)
+
+
+class Net(nn.Module):
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Residual(False), Residual(broken), Residual(False)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_bug_in_a_parents_own_code_is_blamed_on_the_parent(tmp_path):
+    x = torch.randn(3, 8)
+    reference = traced(Net(), lambda m: m(x), tmp_path)
+    candidate = traced(Net(broken=True), lambda m: m(x), tmp_path)
+    report = compare_traces(reference, candidate)
+    assert report.first_divergence.path == "blocks.1"
+    rows = {row.path: row for row in report.rows}
+    assert rows["blocks.1.proj"].verdict == "pass"
+    assert rows["blocks.1.out"].cause == "inherited"
+    assert rows[""].cause == "contains-origin"
+
+
+def test_bf16_candidate_passes_bf16_tolerances_and_fails_fp32_ones(tmp_path):
+    reference = traced(tiny_llama(), forward, tmp_path)
+    candidate = traced(tiny_llama().to(torch.bfloat16), forward, tmp_path)
+    loose = compare_traces(reference, candidate)
+    assert loose.passed, [row.path for row in loose.failing]
+    assert loose.rows[0].tolerance == Tolerance(rtol=1.6e-2, atol=1e-5)
+    strict = compare_traces(reference, candidate, tolerances=Tolerances(rtol=1.3e-6, atol=1e-5))
+    assert not strict.passed
+    assert strict.first_divergence is not None
+
+
+def test_noise_floor_scales_the_verdict(tmp_path):
+    exact = traced(tiny_llama().double(), forward, tmp_path)
+    low = traced(tiny_llama().to(torch.bfloat16), forward, tmp_path)
+    floors = noise_floor(exact, low)
+    assert floors and all(value > 1e-4 for key, value in floors.items() if "rotary" not in key)
+    reference = traced(tiny_llama(), forward, tmp_path)
+    strict = Tolerances(rtol=1.3e-6, atol=1e-5)
+    report = compare_traces(reference, low, tolerances=strict, noise_floor=floors)
+    assert report.passed
+    assert all(row.floor_ratio is not None and row.floor_ratio < 4 for row in report.rows if row.floor)
+    model = tiny_llama().to(torch.bfloat16)
+    with planted(model, "model.layers.1.mlp.up_proj", scale=1.5):
+        buggy = traced(model, forward, tmp_path)
+    report = compare_traces(reference, buggy, tolerances=strict, noise_floor=floors)
+    assert not report.passed and report.first_divergence.path == "model.layers.1.mlp.up_proj"
+
+
+def llava_pair(tmp_path, rules=()):
+    reference = llava()
+    port = from_reference(reference)
+    inputs = llava_inputs(reference)
+    ref_trace = traced(reference, lambda m: m(**inputs), tmp_path)
+    port_trace = traced(port, lambda m: m(inputs["input_ids"], inputs["pixel_values"]), tmp_path)
+    return reference, port, inputs, ref_trace, port_trace
+
+
+def test_hand_written_port_aligns_automatically_and_passes(tmp_path):
+    _, _, _, reference, candidate = llava_pair(tmp_path)
+    report = compare_traces(reference, candidate)
+    assert report.passed, [row.path for row in report.failing]
+    pairs = {p.reference.rsplit("#")[0]: p.candidate.rsplit("#")[0] for p in report.alignment.pairs}
+    assert pairs["model.vision_tower.encoder.layers.0.self_attn.out_proj"] == "vit.blocks.0.attn.wo"
+    assert pairs["model.language_model.layers.1.post_attention_layernorm"] == "llm.layers.1.ffn_norm"
+    assert pairs["model.language_model.embed_tokens"] == "llm.tok_embeddings"  # run in another order
+    assert pairs["lm_head"] == "llm.output"
+    assert "model.vision_tower" not in pairs  # no counterpart in the port: left unmatched, not forced
+    assert "model.language_model.layers.0.self_attn.q_proj#0" in report.alignment.unmatched_reference
+    assert report.summary()["output_rel_l2"] < 1e-6
+
+
+def test_port_rules_align_fused_projections_by_chunk(tmp_path):
+    _, _, _, reference, candidate = llava_pair(tmp_path)
+    report = compare_traces(reference, candidate, rules=load_rules(ALIGNMENT))
+    rows = {row.path: row for row in report.rows}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        row = rows[f"model.language_model.layers.1.self_attn.{name}"]
+        assert row.candidate.key == "llm.layers.1.attention.wqkv#0" and row.source == "rule"
+        assert row.verdict == "pass" and row.candidate.shape == [2, 10, 32]
+    assert report.passed
+    assert "model.language_model.layers.0.mlp.up_proj#0" not in report.alignment.unmatched_reference
+
+
+def test_port_bug_is_localised_across_implementations(tmp_path):
+    _, port, inputs, ref_trace, _ = llava_pair(tmp_path)
+    run = lambda m: m(inputs["input_ids"], inputs["pixel_values"])  # noqa: E731
+    with planted(port, "llm.layers.1.attention.wo", scale=1.01):
+        candidate = traced(port, run, tmp_path)
+        report = compare_traces(ref_trace, candidate, rules=load_rules(ALIGNMENT))
+        replay = isolated_replay(port, run, ref_trace, candidate, report.alignment)
+    attach_replay(report, ref_trace, replay)
+    assert report.first_divergence.path == "model.language_model.layers.1.self_attn.o_proj"
+    assert [row.path for row in report.replay_origins] == ["model.language_model.layers.1.self_attn.o_proj"]
+
+
+def test_weight_parity_reports_mismatches_and_unmapped(tmp_path):
+    from experiments.llava_port import WEIGHT_MAP
+    from paritylab.weights import load_weight_map
+
+    reference = llava()
+    port = from_reference(reference)
+    mapping = load_weight_map(WEIGHT_MAP)
+    clean = weight_parity(port, reference, mapping)
+    assert clean.ok and clean.compared == len(port.state_dict())
+    assert "model.vision_tower.post_layernorm.weight" in clean.unused_reference
+    with torch.no_grad():
+        port.llm.layers[0].attention.wqkv.weight[5, 3] += 0.25
+    broken = weight_parity(port, reference, mapping)
+    assert broken.mismatched == [("llm.layers.0.attention.wqkv.weight", pytest.approx(0.25))]
+    partial = {k: v for k, v in mapping.items() if not k.startswith("mm_projector")}
+    assert "mm_projector.0.weight" in weight_parity(port, reference, partial).unmapped_candidate
+
+
+class Shapes(nn.Module):
+    def __init__(self, out: int, extra: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, out)
+        self.extra = nn.Linear(out, out) if extra else None
+
+    def forward(self, x):
+        y = self.b(self.a(x))
+        return self.extra(y) if self.extra is not None else y
+
+
+def test_shape_mismatch_and_missing_modules_are_rows_not_crashes(tmp_path):
+    x = torch.randn(2, 4)
+    torch.manual_seed(0)
+    reference = traced(Shapes(4), lambda m: m(x), tmp_path)
+    torch.manual_seed(0)
+    candidate = traced(Shapes(5, extra=True), lambda m: m(x), tmp_path)
+    report = compare_traces(reference, candidate)
+    rows = {row.path: row for row in report.rows}
+    assert rows["b"].status == "shape-mismatch" and rows["b"].verdict == "fail"
+    assert "[2, 4] vs [2, 5]" in rows["b"].note
+    assert rows["a"].verdict == "pass"
+    assert report.alignment.unmatched_candidate == ["extra#0"]
+    assert report.first_divergence.path in ("b", "")
+
+
+def test_nan_mismatch_fails_and_metrics_stay_finite():
+    reference = torch.tensor([1.0, 2.0, 3.0, float("nan")])
+    candidate = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
+    metrics = divergence(reference, candidate, Tolerance(1e-6, 1e-6))
+    assert metrics["nan_mismatch"] == 1 and not within(metrics)
+    assert metrics["max_abs"] == 0 and math.isfinite(metrics["rel_l2"])
+
+
+def test_first_nonfinite_module_is_reported(tmp_path):
+    x = torch.randn(2, 4)
+    torch.manual_seed(0)
+    reference = traced(Shapes(4), lambda m: m(x), tmp_path)
+    torch.manual_seed(0)
+    model = Shapes(4)
+    with torch.no_grad():
+        model.b.weight[0, 0] = float("nan")
+    candidate = traced(model, lambda m: m(x), tmp_path)
+    report = compare_traces(reference, candidate)
+    assert report.first_nonfinite == {"reference": None, "candidate": "b#0"}
+    assert report.first_divergence.path == "b"
+    row = next(row for row in report.rows if row.path == "b")
+    assert row.metrics["nan_mismatch"] == 2 and math.isfinite(row.metrics["rel_l2"])
+
+
+def test_stats_only_traces_compare_on_stats(tmp_path):
+    reference = traced(tiny_llama(), forward, tmp_path, save_tensors=False)
+    same = traced(tiny_llama(), forward, tmp_path, save_tensors=False)
+    assert compare_traces(reference, same).passed
+    model = tiny_llama()
+    with planted(model, "model.layers.0.mlp", scale=1.1):
+        buggy = traced(model, forward, tmp_path, save_tensors=False)
+    report = compare_traces(reference, buggy)
+    assert {row.status for row in report.rows} == {"stats-only"}
+    assert report.first_divergence.path == "model.layers.0.mlp"
+
+
+def test_rules_patterns_null_and_round_trip(tmp_path):
+    rules = parse_rules(
+        {
+            "rules": [
+                {"reference": "model.layers.{}.mlp", "candidate": "blocks.{}.ffn", "candidate_index": 0},
+                {"reference": "re:model\\.norm", "candidate": None},
+                {"reference": "lm_head", "candidate": "head", "candidate_slice": [0, 8]},
+            ]
+        }
+    )
+    assert rules[0].match("model.layers.12.mlp") == "blocks.12.ffn"
+    assert rules[1].match("model.norm") is None and rules[1].match("model.normx") is False
+    assert rules[2].candidate_part.bounds(32) == (0, 8)
+    with pytest.raises(AlignmentError, match="unknown keys"):
+        parse_rules([{"reference": "a", "candidate": "b", "candidate_slise": [0, 1]}])
+    with pytest.raises(AlignmentError, match="0 <= index < count"):
+        parse_rules([{"reference": "a", "candidate": "b", "candidate_chunk": [3, 3]}])
+    assert parse_rules({"a.{}": "b.{}", "c": None})[1] == Rule("c", None)
+
+
+def test_written_alignment_reproduces_itself(tmp_path):
+    _, _, _, reference, candidate = llava_pair(tmp_path)
+    first = align(reference, candidate, load_rules(ALIGNMENT))
+    path = tmp_path / "alignment.yaml"
+    path.write_text(first.to_yaml())
+    text = path.read_text()
+    assert "model.language_model.layers.{}.mlp.down_proj" in text and "llm.layers.{}.feed_forward.w2" in text
+    again = align(reference, candidate, load_rules(path))
+    assert [(p.reference, p.candidate) for p in again.pairs] == [(p.reference, p.candidate) for p in first.pairs]
+    assert all(p.source == "rule" for p in again.pairs if p.reference != "#0")
