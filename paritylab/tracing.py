@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +49,8 @@ class TraceOptions:
     grad: bool = False
     capture: Iterable[CaptureSpec] | str | None = "auto"
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    on_call: Callable[[CallRecord], None] | None = None
+    """Called after each recorded call completes (progress bars); keep it cheap."""
 
     def selects(self, path: str) -> bool:
         depth = 0 if not path else path.count(".") + 1
@@ -80,7 +82,8 @@ class Tracer:
     """
 
     def __init__(self, model: nn.Module, directory: str | Path | None = None, options: TraceOptions | None = None):
-        self.model = model
+        self.compiled = _is_compiled(model)
+        self.model = model._orig_mod if self.compiled else model  # type: ignore[assignment]
         self.options = options or TraceOptions()
         self.directory = Path(directory) if directory is not None else None
         if self.options.save_tensors and self.directory is None:
@@ -135,9 +138,12 @@ class Tracer:
             matching = [spec for spec in specs if spec.matches(path, module)]
             if matching:
                 self._captures[path] = matching
-            pre = module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True)
+            pre_hook, post_hook = self._pre_hook(path), self._post_hook(path)
+            if self.compiled:  # graph-break at each traced module rather than compiling the tracer
+                pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
+            pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
             self._exit.callback(pre.remove)
-            post = module.register_forward_hook(self._post_hook(path), with_kwargs=True, always_call=True)
+            post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
             self._exit.callback(post.remove)
 
     # -- hooks (the hot path) ----------------------------------------------------------------------------
@@ -195,6 +201,8 @@ class Tracer:
             record.outputs = encode(output, self._encode_tensor)
         for spec in self._captures.get(path, ()):
             self._capture(spec, record, output)
+        if self.options.on_call is not None:
+            self.options.on_call(record)
 
     def _encode_tensor(self, tensor: torch.Tensor) -> Node:
         node: Node = {
@@ -312,6 +320,7 @@ class Tracer:
             "seconds": round(time.perf_counter() - self._started, 6),
             "calls": len(self.trace.calls),
             "modules_selected": len(self._selected),
+            "compiled": self.compiled,
             "modules_not_called": [p for p in self._selected if p not in called],
             "options": {
                 "include": list(self.options.include),
@@ -369,6 +378,11 @@ def _slot(output: Any, index: int | str | None) -> str:
     if isinstance(output, Mapping) and isinstance(index, int):
         return f"outputs.{list(output.keys())[index]}"
     return f"outputs.{index}"
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is the wrapper ``torch.compile`` returns (its module lives in ``_orig_mod``)."""
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule"
 
 
 def _model_device(model: nn.Module) -> str:

@@ -1,0 +1,26 @@
+"""``python -m paritylab model=llava candidate=port``: the parity run as a Hydra app."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from paritylab.cli import CONF_DIR, exit_code, preflight, record
+from paritylab.config import register
+
+register()
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    from paritylab.runner import run
+
+    record(run(cfg).exit_code)
+
+
+if __name__ == "__main__":
+    preflight(sys.argv[1:])
+    main()
+    sys.exit(exit_code())

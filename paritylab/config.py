@@ -1,0 +1,208 @@
+"""Typed schemas of the Hydra configuration, and one-line messages for configuration errors.
+
+``conf/config.yaml`` composes onto :class:`ParityConfig`, so a misspelt key, a wrong type or an unknown
+choice fails at composition. ``build`` nodes hold a ``_target_`` and its keyword arguments; those are
+checked against the target's signature before any model is built (:func:`check_targets`).
+Configs with ``_target_`` import and run code: trust them as you trust code.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the key and the fix."""
+
+
+class CandidateKind(enum.StrEnum):
+    port = "port"
+    dtype = "dtype"
+    attention = "attention"
+    compiled = "compiled"
+    target = "target"
+
+
+class NoiseFloor(enum.StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class InputKind(enum.StrEnum):
+    synthetic = "synthetic"
+    processor = "processor"
+
+
+class DType(enum.StrEnum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class ModelConfig:
+    """The reference model."""
+
+    name: str = MISSING
+    family: str = MISSING
+    """Input layout and port lookup key: ``llava``, ``llama`` or ``generic`` (token ids only)."""
+    build: dict[str, Any] = MISSING
+    """``_target_`` returning an ``nn.Module`` plus its keyword arguments (e.g. ``pretrained``)."""
+
+
+@dataclass
+class PortConfig:
+    build: dict[str, Any] = MISSING
+    """``_target_`` taking ``reference=`` and returning the port."""
+    rules: str | None = None
+    weight_map: str | None = None
+
+
+@dataclass
+class CandidateConfig:
+    """A port, a variant of the reference (dtype, attention kernel, torch.compile), or any callable."""
+
+    name: str = MISSING
+    kind: CandidateKind = MISSING
+    dtype: DType | None = None
+    attn_implementation: str | None = None
+    backend: str = "inductor"
+    build: dict[str, Any] | None = None
+    rules: str | None = None
+    weight_map: str | None = None
+    ports: dict[str, PortConfig] = field(default_factory=dict)
+
+
+@dataclass
+class InputsConfig:
+    kind: InputKind = InputKind.synthetic
+    batch_size: int = 1
+    prompt_length: int = 16
+    seed: int = 0
+    image: str | None = None
+    """Image file for ``kind=processor`` (default: the sample image shipped with paritylab)."""
+    prompt: str = "USER: <image>\nWhat is shown in this image? ASSISTANT:"
+
+
+@dataclass
+class ToleranceConfig:
+    rtol: float | None = None
+    atol: float | None = None
+
+
+@dataclass
+class CompareConfig:
+    rtol: float | None = None
+    atol: float | None = None
+    modules: dict[str, ToleranceConfig] = field(default_factory=dict)
+    """Per-module-path-pattern tolerance overrides (fnmatch patterns on reference paths)."""
+    rules: str | None = None
+    """Extra alignment rules YAML, applied before the candidate's own."""
+    replay: bool = True
+    noise_floor: NoiseFloor = NoiseFloor.auto
+    noise_multiple: float = 4.0
+    save_tensors: bool = True
+    max_bytes: int | None = None
+    """Byte budget for saved tensor values per trace (stats continue past it)."""
+    capture: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None
+    """MLflow tracking URI; default ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the working directory."""
+    experiment: str = "paritylab"
+    timeout: float = 10.0
+    """Seconds an HTTP request to a tracking server may take."""
+    retries: int = 1
+    log_tensors: bool = True
+    """Upload the traces' safetensors shards as artifacts (JSON, reports and plots are always uploaded)."""
+
+
+@dataclass
+class ParityConfig:
+    model: ModelConfig = MISSING
+    candidate: CandidateConfig = MISSING
+    inputs: InputsConfig = field(default_factory=InputsConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    device: str = "auto"
+    dtype: DType = DType.float32
+    seed: int = 0
+    output_dir: str | None = None
+    """Where traces and reports go; default: Hydra's run directory."""
+
+
+def register() -> None:
+    """Register the schema as ``parity_schema`` (the first default of ``conf/config.yaml``)."""
+    ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Import every ``_target_`` and check its keyword arguments, before anything is built."""
+    nodes = [("model.build", cfg.model.build)]
+    if cfg.candidate.build is not None:
+        nodes.append(("candidate.build", cfg.candidate.build))
+    for family, port in (cfg.candidate.ports or {}).items():
+        nodes.append((f"candidate.ports.{family}.build", port.build))
+    for key, node in nodes:
+        check_target(key, OmegaConf.to_container(node, resolve=True), allowed_extra=("reference",))
+
+
+def check_target(key: str, node: Any, allowed_extra: tuple[str, ...] = ()) -> None:
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise ConfigError(f"{key} needs a _target_ (a dotted path to a callable returning an nn.Module)")
+    target = resolve_target(key, str(node["_target_"]))
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    parameters = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(node) - {"_target_", "_partial_", "_recursive_", "_convert_"} - set(parameters))
+    if unknown:
+        known = ", ".join(name for name in parameters if name not in allowed_extra)
+        raise ConfigError(f"{key}.{unknown[0]}: {node['_target_']} takes no argument {unknown[0]!r}; it takes: {known}")
+
+
+def resolve_target(key: str, dotted: str) -> Any:
+    """Import ``package.module.attribute``; a one-line error says what could not be found."""
+    module_name, _, attribute = dotted.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{key}._target_={dotted!r} is not a dotted path like 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"{key}._target_={dotted!r}: cannot import {module_name!r} ({error}); check the spelling or install it"
+        ) from error
+    if not hasattr(module, attribute):
+        raise ConfigError(f"{key}._target_={dotted!r}: {module_name} has no attribute {attribute!r}")
+    return getattr(module, attribute)
+
+
+def one_line(error: BaseException) -> str:
+    """A configuration error (Hydra, OmegaConf, ours) as one line naming the key and the fix."""
+    if isinstance(error, ConfigError):
+        return str(error)
+    parts: list[str] = []
+    current: BaseException | None = error
+    while current is not None and len(parts) < 3:
+        lines = [line.strip() for line in str(current).splitlines() if line.strip()]
+        text = "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type", "reference_type")))
+        if text and text not in parts:
+            parts.append(text)
+        current = current.__cause__ or current.__context__
+    message = ": ".join(parts) or type(error).__name__
+    return f"{message} (see the valid keys and choices with: python -m paritylab --cfg job)"

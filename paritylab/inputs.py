@@ -1,0 +1,65 @@
+"""Model inputs: seeded synthetic tensors for tiny models, or an image and a prompt through the model's processor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.config import ConfigError
+
+SAMPLE_IMAGE = Path(__file__).resolve().parent / "assets" / "sample.png"
+
+
+def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None) -> dict[str, torch.Tensor]:
+    """Keyword inputs for ``model(**inputs)`` (on the CPU; the runner moves them)."""
+    if cfg.batch_size < 1 or cfg.prompt_length < 1:
+        raise ConfigError(
+            f"inputs.batch_size={cfg.batch_size} and inputs.prompt_length={cfg.prompt_length} must be at least 1"
+        )
+    if str(cfg.kind) in ("processor", "InputKind.processor"):
+        return processor_inputs(cfg, pretrained)
+    generator = torch.Generator().manual_seed(int(cfg.seed))
+    config = getattr(model, "config", None)
+    if family == "llava":
+        return llava_inputs(config, cfg.batch_size, cfg.prompt_length, generator)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise ConfigError(f"model.family={family!r}: synthetic inputs need a model config with vocab_size")
+    ids = torch.randint(0, vocab, (cfg.batch_size, cfg.prompt_length), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def llava_inputs(config: Any, batch: int, length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Prompt ids with the image's tokens right after the first token, and a random image tensor."""
+    vision = config.vision_config
+    image_tokens = (vision.image_size // vision.patch_size) ** 2
+    if config.vision_feature_select_strategy != "default":
+        image_tokens += 1
+    image_token = config.image_token_index
+    vocab = config.text_config.vocab_size
+    ids = torch.randint(0, vocab - 1, (batch, length + image_tokens), generator=generator)
+    ids[ids >= image_token] += 1  # never the image token by chance
+    ids[:, 1 : 1 + image_tokens] = image_token
+    pixels = torch.randn(batch, 3, vision.image_size, vision.image_size, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+
+
+def processor_inputs(cfg: Any, pretrained: str | None) -> dict[str, torch.Tensor]:
+    """The model's own processor applied to an image file and a prompt (``model.build.pretrained`` needed)."""
+    if not pretrained:
+        raise ConfigError("inputs=image uses the model's processor: set model.build.pretrained=<local dir or hub id>")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    image_path = Path(cfg.image) if cfg.image else SAMPLE_IMAGE
+    if not image_path.is_file():
+        raise ConfigError(f"inputs.image={str(image_path)!r} does not exist: pass an image file")
+    processor = AutoProcessor.from_pretrained(pretrained)
+    image = Image.open(image_path).convert("RGB")
+    encoded = processor(
+        images=[image] * cfg.batch_size, text=[cfg.prompt] * cfg.batch_size, return_tensors="pt", padding=True
+    )
+    return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}

@@ -1,0 +1,468 @@
+"""The parity run: build reference and candidate, trace both, compare, report, log to MLflow.
+
+Every phase writes its results to the run directory before the next starts, so a failure at any point
+leaves everything produced so far on disk, and it is logged to MLflow with the run marked FAILED (or
+KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from paritylab.alignment import Rule, load_rules
+from paritylab.candidates import Candidate, build_candidate, instantiate, resolve_path
+from paritylab.comparison import Report, compare_traces, noise_floor
+from paritylab.config import ConfigError, check_targets, one_line
+from paritylab.inputs import build_inputs
+from paritylab.metrics import Tolerances
+from paritylab.plots import LAYER, write_plots
+from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
+from paritylab.tracefile import Trace
+from paritylab.tracing import TraceOptions, Tracer
+from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so the run can be closed as KILLED with what it produced."""
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    directory: Path
+    report: Report | None = None
+    run_id: str | None = None
+    error: str | None = None
+    tracking_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[str], None] = print) -> RunResult:
+    """Run one parity comparison as configured; never raises for bad input or a failing forward."""
+    out = Path(directory or cfg.output_dir or _hydra_dir() or _default_dir(cfg)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_targets(cfg)
+        _device(cfg)
+    except ConfigError as error:
+        echo(f"paritylab: {one_line(error)}")
+        return RunResult(EXIT_ERROR, out, error=str(error))
+    session = _Session(cfg, out, echo)
+    with _sigterm_as_interrupt():
+        return session.execute()
+
+
+class _Session:
+    """One run: its directory, tracker and the state the phases hand each other."""
+
+    def __init__(self, cfg: DictConfig, directory: Path, echo: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.directory = directory
+        self.echo = echo
+        self.device = _device(cfg)
+        self.tracker: Tracker = Tracker()
+        self.tracking_error: str | None = None
+        self.report: Report | None = None
+        self.notes: list[str] = []
+        self.started = time.perf_counter()
+
+    def execute(self) -> RunResult:
+        status, code, error = "FINISHED", EXIT_PASS, None
+        self._start_tracking()
+        try:
+            code = self._phases()
+        except KeyboardInterrupt:
+            status, code, error = "KILLED", EXIT_INTERRUPTED, "interrupted"
+            self.echo("paritylab: interrupted; logging what was produced")
+        except ConfigError as failure:
+            status, code, error = "FAILED", EXIT_ERROR, one_line(failure)
+            self.echo(f"paritylab: {error}")
+        except Exception as failure:  # a forward or a build raised: keep and log everything produced
+            status, code, error = "FAILED", EXIT_ERROR, f"{type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: error: {error}")
+        if self.report is not None and self.report.errors:
+            status, code = "FAILED", EXIT_ERROR
+        self._finish_tracking(status, error)
+        return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
+
+    # -- phases ---------------------------------------------------------------------------------------------
+
+    def _phases(self) -> int:
+        cfg = self.cfg
+        torch.manual_seed(int(cfg.seed))
+        self.echo(f"paritylab: {cfg.model.name} vs {cfg.candidate.name} on {self.device} -> {self.directory}")
+        reference = self._build_reference()
+        inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
+        inputs = {key: value.to(self.device) for key, value in inputs.items()}
+        ref_trace = self._trace("reference", reference, inputs)
+        candidate = build_candidate(cfg.candidate, cfg.model.family, reference)
+        candidate.model.to(self.device)
+        self._note_weights(candidate)
+        cand_trace = self._trace("candidate", candidate.model, inputs)
+        floors = self._noise_floor(reference, candidate.model, inputs)
+        rules = self._rules(candidate)
+        tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
+        self.echo("paritylab: comparing")
+        report = compare_traces(
+            ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors,
+            noise_multiple=float(cfg.compare.noise_multiple),
+        )  # fmt: skip
+        self.report = report
+        self._write_report()
+        if cfg.compare.replay and not report.errors and report.alignment.pairs:
+            self._replay(candidate.model, inputs, ref_trace, cand_trace, tolerances)
+        self._write_report()
+        self.echo(to_console(report))
+        return EXIT_PASS if report.passed else (EXIT_ERROR if report.errors else EXIT_FAIL)
+
+    def _build_reference(self) -> nn.Module:
+        self.echo("paritylab: building the reference")
+        model = instantiate("model.build", self.cfg.model.build, None)
+        return model.to(self.device)
+
+    def _trace(self, side: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Trace:
+        self.echo(f"paritylab: tracing the {side}")
+        options = TraceOptions(
+            save_tensors=bool(self.cfg.compare.save_tensors),
+            max_bytes=self.cfg.compare.max_bytes,
+            capture="auto" if self.cfg.compare.capture else None,
+            metadata={"side": side, "seed": self.cfg.seed, "model": self.cfg.model.name},
+        )
+        tracer = Tracer(model, self.directory / side, options)
+        try:
+            with tracer:
+                model(**inputs)
+        except Exception as error:
+            self._compare_partial(side, error)
+            raise
+        trace = Trace.load(self.directory / side)
+        untraced = trace.meta.get("modules_not_called") or []
+        if tracer.compiled:
+            self.notes.append(f"{side}: compiled model, {trace.meta['calls']} calls traced with graph breaks")
+        if untraced:
+            self.notes.append(f"{side}: {len(untraced)} selected modules were never called")
+        return trace
+
+    def _compare_partial(self, side: str, error: Exception) -> None:
+        """A forward raised: compare what both sides produced so far, so the report names the module."""
+        try:
+            reference = Trace.load(self.directory / "reference")
+            candidate = Trace.load(self.directory / "candidate") if side == "candidate" else Trace()
+            self.report = compare_traces(reference, candidate)
+            self._write_report()
+            self.echo(headline(self.report))
+        except Exception as nested:  # the partial report is a bonus: never mask the forward's error
+            self.notes.append(f"no partial report: {type(nested).__name__}: {nested}")
+
+    def _note_weights(self, candidate: Candidate) -> None:
+        weights = candidate.weights
+        self.notes.extend(candidate.notes)
+        if weights is None:
+            return
+        self.notes.append(f"weight parity: {weights.summary()}")
+        if not weights.ok:
+            problems = [f"{name} (max |diff| {diff:.3g})" for name, diff in weights.mismatched[:5]]
+            problems += weights.unmapped_candidate[:5] + weights.shape_errors[:5]
+            self.echo(f"paritylab: weight parity fails before any forward: {'; '.join(problems)}")
+
+    def _noise_floor(
+        self, reference: nn.Module, candidate: nn.Module, inputs: dict[str, torch.Tensor]
+    ) -> dict[str, float] | None:
+        mode = _value(self.cfg.compare.noise_floor)
+        dtypes = {_dtype_of(reference), _dtype_of(candidate)}
+        low = next((dtype for dtype in LOW_PRECISION if dtype in dtypes), None)
+        if mode == "off" or (mode == "auto" and low is None):
+            return None
+        low = low or torch.bfloat16
+        self.echo(f"paritylab: estimating the noise floor (float64 vs {str(low).removeprefix('torch.')})")
+        traces = []
+        for name, dtype in (("noise-float64", torch.float64), ("noise-low", low)):
+            model = copy.deepcopy(reference).to(dtype)
+            with Tracer(model, self.directory / name, TraceOptions(save_tensors=True, capture=None)):
+                model(**_cast_floats(inputs, dtype))
+            traces.append(Trace.load(self.directory / name))
+            del model
+        return noise_floor(traces[0], traces[1])
+
+    def _rules(self, candidate: Candidate) -> list[Rule]:
+        extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
+        return extra + candidate.rules
+
+    def _replay(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        reference: Trace,
+        candidate: Trace,
+        tolerances: Tolerances,
+    ) -> None:
+        from paritylab.replay import attach_replay, isolated_replay
+
+        assert self.report is not None
+        self.echo("paritylab: isolated replay")
+        replay = isolated_replay(
+            model, lambda m: m(**inputs), reference, candidate, self.report.alignment, self.directory / "replay"
+        )
+        attach_replay(self.report, reference, replay, tolerances)
+
+    # -- outputs --------------------------------------------------------------------------------------------
+
+    def _write_report(self) -> None:
+        report = self.report
+        if report is None:
+            return
+        folder = self.directory / "report"
+        folder.mkdir(exist_ok=True)
+        (folder / "report.json").write_text(to_json(report), encoding="utf-8")
+        (folder / "report.md").write_text(to_markdown(report), encoding="utf-8")
+        (folder / "alignment.yaml").write_text(report.alignment.to_yaml(), encoding="utf-8")
+        _write_csv(folder / "comparison.csv", rows_table(report))
+        images = {}
+        for path in write_plots(report, folder):
+            import base64
+
+            images[path.stem.replace("_", " ")] = base64.b64encode(path.read_bytes()).decode()
+        title = f"{self.cfg.model.name} vs {self.cfg.candidate.name}"
+        (folder / "report.html").write_text(to_html(report, title, images), encoding="utf-8")
+
+    # -- tracking -------------------------------------------------------------------------------------------
+
+    def _start_tracking(self) -> None:
+        tracking = self.cfg.tracking
+        if not tracking.enabled:
+            return
+        try:
+            tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
+            tracker.start(f"{self.cfg.model.name}/{self.cfg.candidate.name}", self._tags())
+            tracker.log_params(flatten(OmegaConf.to_container(self.cfg, resolve=True)))
+            self.tracker = tracker
+        except TrackingError as error:
+            self.tracking_error = str(error)
+            self.echo(f"paritylab: {error}; continuing without tracking")
+
+    def _tags(self) -> dict[str, str]:
+        import transformers
+
+        from paritylab import __version__
+
+        tags = {
+            "paritylab.model": str(self.cfg.model.name),
+            "paritylab.candidate": str(self.cfg.candidate.name),
+            "paritylab.verdict": "running",
+            "paritylab.first_divergence": "none",
+            "paritylab.inputs_seed": str(self.cfg.inputs.seed),
+            "paritylab.version": __version__,
+            "paritylab.torch_version": torch.__version__,
+            "paritylab.transformers_version": transformers.__version__,
+            "paritylab.python_version": platform.python_version(),
+            "paritylab.device": str(self.device),
+            "paritylab.dtype": _value(self.cfg.dtype),
+            "paritylab.output_dir": str(self.directory),
+        }
+        commit = _git_commit()
+        if commit:
+            tags["paritylab.git_commit"] = commit
+            tags["mlflow.source.git.commit"] = commit
+        return tags
+
+    def _finish_tracking(self, status: str, error: str | None) -> None:
+        verdict = _verdict(self.report, status)
+        _write_run_summary(self.directory, verdict, error, self.notes)
+        if self.tracker.run_id is None:
+            if self.tracking_error:
+                self.echo(
+                    f"paritylab: results kept in {self.directory}; upload them later with: "
+                    f"python -m paritylab.upload {self.directory}"
+                )
+            return
+        try:
+            log_results(self.tracker, self.report, self.directory, verdict, error, self.notes,
+                        bool(self.cfg.tracking.log_tensors))  # fmt: skip
+            self.tracker.end(status)
+            self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
+        except TrackingError as failure:
+            self.tracking_error = str(failure)
+            self.echo(
+                f"paritylab: {failure}; results kept in {self.directory}; upload them later with: "
+                f"python -m paritylab.upload {self.directory}"
+            )
+            with suppress(TrackingError):
+                self.tracker.end("FAILED")
+
+
+def log_results(
+    tracker: Tracker,
+    report: Report | None,
+    directory: Path,
+    verdict: str,
+    error: str | None,
+    notes: list[str],
+    log_tensors: bool = True,
+) -> None:
+    """Tags, metrics (batched), the comparison table and every file of the run directory."""
+    first = report.first_divergence.path if report is not None and report.first_divergence else None
+    tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
+    tags["mlflow.note.content"] = _description(report, verdict, error, notes)
+    if report is not None:
+        tracker.log_metrics(report_metrics(report))
+        tracker.log_table(rows_table(report), "comparison_table.json")
+        tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
+    tracker.set_tags(tags)
+    log_directory(tracker, directory, log_tensors)
+
+
+def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> None:
+    """Upload every file of the run directory, keeping its layout (safetensors shards only with ``log_tensors``)."""
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file() or (not log_tensors and path.suffix == ".safetensors"):
+            continue
+        parent = path.parent.relative_to(directory).as_posix()
+        tracker.log_artifact(path, None if parent == "." else parent)
+
+
+def report_metrics(report: Report) -> list[Metric]:
+    """Per-module divergence (step = execution order), per-layer keys, and summary metrics."""
+    metrics: list[Metric] = []
+    for row in report.rows:
+        for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
+            _add(metrics, f"divergence/{name}", row.metrics.get(name), row.index)
+        _add(metrics, "divergence/local_rel_l2", row.local.get("local_rel_l2"), row.index)
+        if LAYER.match(row.path):
+            _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
+            _add(metrics, f"layer/{row.path}/max_abs", row.metrics.get("max_abs"), 0)
+            _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
+    summary = report.summary()
+    _add(metrics, "summary/output_rel_l2", summary["output_rel_l2"], 0)
+    _add(metrics, "summary/output_max_abs", summary["output_max_abs"], 0)
+    _add(metrics, "summary/worst_rel_l2", summary["worst_rel_l2"], 0)
+    first = summary["first_divergence_index"]
+    _add(metrics, "summary/first_divergence_index", -1 if first is None else first, 0)
+    _add(metrics, "summary/failing_modules", summary["failed"], 0)
+    _add(metrics, "summary/passing_modules", summary["passed"], 0)
+    _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
+    _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)
+    return metrics
+
+
+def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> None:
+    if value is not None and math.isfinite(float(value)):
+        metrics.append(Metric(key, float(value), step))
+
+
+def _verdict(report: Report | None, status: str) -> str:
+    if status != "FINISHED" or report is None or report.errors:
+        return "error"
+    return "pass" if report.passed else "fail"
+
+
+def _description(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> str:
+    lines = [f"### paritylab: **{verdict}**", ""]
+    if error:
+        lines += [f"Error: `{error[:500]}`", ""]
+    if report is not None:
+        lines += [to_markdown(report, limit=40), ""]
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def _write_run_summary(directory: Path, verdict: str, error: str | None, notes: list[str]) -> None:
+    import json
+
+    summary = {"verdict": verdict, "error": error, "notes": notes}
+    (directory / "run.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+
+
+def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(list(table))
+        writer.writerows(zip(*table.values(), strict=True))
+
+
+def _device(cfg: DictConfig) -> torch.device:
+    name = str(cfg.device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ConfigError(f"device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here: use device=cpu or device=auto")
+    return device
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    parameter = next(model.parameters(), None)
+    return parameter.dtype if parameter is not None else torch.float32
+
+
+def _cast_floats(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in inputs.items()}
+
+
+def _value(option: Any) -> str:
+    return str(option.value if hasattr(option, "value") else option)
+
+
+def _hydra_dir() -> str | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+
+
+def _default_dir(cfg: DictConfig) -> Path:
+    return Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{cfg.model.name}-{cfg.candidate.name}"
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=Path(__file__).parent
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Interrupted` in the main thread for the duration (so the run ends KILLED)."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,190 @@
+"""MLflow logging behind a small interface: explicit run ids (no global active run), batched calls,
+bounded HTTP timeouts, and metric keys that MLflow accepts whatever the module names are."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+MAX_KEY = 250
+MAX_PARAM = 6000
+MAX_TAG = 8000
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\- /:]")
+
+
+class TrackingError(RuntimeError):
+    """The tracking server or store failed; the local files are kept."""
+
+
+def metric_key(text: str) -> str:
+    """A valid MLflow key for ``text`` (module names come from user code).
+
+    Characters MLflow rejects become ``_``; empty, ``.`` and ``..`` path components are dropped or
+    replaced (MLflow keys must be normalised paths); a key over 250 characters is cut and suffixed with
+    a hash of the original so it stays unique. Keys already valid are returned unchanged.
+    """
+    parts = [_UNSAFE.sub("_", part) for part in text.split("/")]
+    parts = ["_" if part in (".", "..") else part for part in parts if part]
+    key = "/".join(parts) or "_"
+    if len(key) > MAX_KEY:
+        key = f"{key[: MAX_KEY - 9].rstrip('/')}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+    return key
+
+
+def resolve_uri(uri: str | None) -> str:
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else the embedded SQLite store in the working directory."""
+    if uri:
+        return uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
+
+
+@dataclass
+class Metric:
+    key: str
+    value: float
+    step: int = 0
+
+
+class Tracker:
+    """The interface the runner logs through; this base class logs nothing (``tracking.enabled=false``)."""
+
+    run_id: str | None = None
+    uri: str = ""
+
+    def start(self, run_name: str, tags: Mapping[str, str], parent_run_id: str | None = None) -> str | None:
+        return None
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Iterable[Metric]) -> None: ...
+
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+
+    def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None: ...
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None: ...
+
+    def log_table(self, table: Mapping[str, list[Any]], artifact_file: str) -> None: ...
+
+    def end(self, status: str) -> None: ...
+
+    def link(self) -> str:
+        return ""
+
+
+class MlflowTracker(Tracker):
+    def __init__(self, uri: str | None, experiment: str, timeout: float = 10.0, retries: int = 1) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(0, retries)))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        from mlflow.tracking import MlflowClient
+
+        self.uri = resolve_uri(uri)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.experiment = experiment
+        self.experiment_id: str | None = None
+        self.run_id: str | None = None
+
+    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TrackingError(f"MLflow at {self.uri} failed to {what}: {first[:300]}") from error
+
+    def ensure_experiment(self) -> str:
+        if self.experiment_id is None:
+            self.experiment_id = self._call("open the experiment", _experiment_id, self.client, self.experiment)
+        return self.experiment_id
+
+    def start(self, run_name: str, tags: Mapping[str, str], parent_run_id: str | None = None) -> str | None:
+        experiment_id = self.ensure_experiment()
+        all_tags = {k: _cut(v, MAX_TAG) for k, v in tags.items()}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self._call("create a run", self.client.create_run, experiment_id, run_name=run_name, tags=all_tags)
+        self.run_id = run.info.run_id
+        return self.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(metric_key(str(k)), _cut(str(v), MAX_PARAM)) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self._call("log params", self.client.log_batch, self.run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: Iterable[Metric]) -> None:
+        from mlflow.entities import Metric as MlflowMetric
+
+        now = int(time.time() * 1000)
+        items = [MlflowMetric(metric_key(m.key), float(m.value), now, int(m.step)) for m in metrics]
+        for start in range(0, len(items), 1000):
+            self._call("log metrics", self.client.log_batch, self.run_id, metrics=items[start : start + 1000])
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, _cut(str(v), MAX_TAG)) for k, v in tags.items()]
+        for start in range(0, len(items), 100):
+            self._call("set tags", self.client.log_batch, self.run_id, tags=items[start : start + 100])
+
+    def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None:
+        self._call("upload artifacts", self.client.log_artifacts, self.run_id, str(directory), artifact_path)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._call("upload an artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def log_table(self, table: Mapping[str, list[Any]], artifact_file: str) -> None:
+        self._call("log the table", self.client.log_table, self.run_id, data=dict(table), artifact_file=artifact_file)
+
+    def end(self, status: str) -> None:
+        if self.run_id is not None:
+            self._call("end the run", self.client.set_terminated, self.run_id, status)
+
+    def link(self) -> str:
+        if self.run_id is None:
+            return ""
+        if self.uri.startswith("http"):
+            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"mlflow ui --backend-store-uri {self.uri}  (run {self.run_id})"
+
+
+def _experiment_id(client: Any, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created concurrently by another job
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings and lists as ``a.b.0.c`` keys (for MLflow params)."""
+    if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(data, list | tuple) and data and any(isinstance(item, Mapping | list) for item in data):
+        out = {}
+        for index, value in enumerate(data):
+            out.update(flatten(value, f"{prefix}{index}."))
+        return out
+    return {prefix.rstrip("."): data}
