@@ -1,0 +1,31 @@
+"""Candidates with planted faults, built through config ``_target_``s like any user candidate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from experiments.llava_port import from_reference
+
+
+def scaled_port(reference: nn.Module, module: str, scale: float = 1.01) -> nn.Module:
+    """The LLaVA port with one module's output scaled: a bug at a known place."""
+    port = from_reference(reference)
+
+    def hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return output * scale
+
+    port.get_submodule(module).register_forward_hook(hook)
+    return port
+
+
+def raising_port(reference: nn.Module, module: str) -> nn.Module:
+    """The LLaVA port whose ``module`` raises during the forward."""
+    port = from_reference(reference)
+
+    def hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        raise RuntimeError(f"planted failure in {module}")
+
+    port.get_submodule(module).register_forward_hook(hook)
+    return port

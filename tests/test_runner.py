@@ -1,0 +1,163 @@
+"""The parity run: the Hydra app end to end, checked through MLflow's client API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from paritylab import Trace
+from paritylab.cli import compose
+from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def run_with(tmp_path: Path, *overrides: str):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose([f"tracking.uri={uri}", *overrides])
+    result = run(cfg, tmp_path / "run", echo=lambda _: None)
+    return result, MlflowClient(uri)
+
+
+def app(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "paritylab", *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_default_run_end_to_end(tmp_path):
+    result = app(tmp_path, "model=llava", "candidate=port")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "PASS" in result.stdout and "mlflow ui --backend-store-uri sqlite:///" in result.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run_info,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    assert run_info.info.status == "FINISHED" and run_info.info.run_name == "llava/port"
+    tags = run_info.data.tags
+    assert tags["paritylab.verdict"] == "pass" and tags["paritylab.first_divergence"] == "none"
+    assert tags["paritylab.model"] == "llava" and tags["paritylab.candidate"] == "port"
+    assert tags["paritylab.torch_version"] == torch.__version__ and tags["paritylab.dtype"] == "float32"
+    assert "**pass**" in tags["mlflow.note.content"]
+    assert run_info.data.params["model.build.hidden_size"] == "32"
+    metrics = run_info.data.metrics
+    assert metrics["summary/failing_modules"] == 0 and metrics["summary/output_rel_l2"] < 1e-6
+    assert metrics["summary/first_divergence_index"] == -1
+    history = client.get_metric_history(run_info.info.run_id, "divergence/rel_l2")
+    report = json.loads((tmp_path / "hydra" / "report" / "report.json").read_text())
+    compared = {row["index"]: row["metrics"]["rel_l2"] for row in report["rows"] if "rel_l2" in row["metrics"]}
+    assert {m.step: m.value for m in history} == pytest.approx(compared)
+    layer = client.get_metric_history(run_info.info.run_id, "layer/model.language_model.layers.1/rel_l2")
+    assert len(layer) == 1 and layer[0].value < 1e-6
+
+    artifacts = Path(client.download_artifacts(run_info.info.run_id, "", str(tmp_path / "downloaded")))
+    for name in ("report/report.html", "report/alignment.yaml", "report/divergence_by_depth.png", ".hydra/config.yaml"):
+        assert (artifacts / name).is_file(), name
+    assert (artifacts / "comparison_table.json").is_file()
+    downloaded = Trace.load(artifacts / "reference")
+    local = Trace.load(tmp_path / "hydra" / "reference")
+    node = downloaded.call("lm_head#0").outputs
+    torch.testing.assert_close(downloaded.tensor(node), local.tensor(local.call("lm_head#0").outputs), rtol=0, atol=0)
+    assert node["stats"]["mean"] == pytest.approx(downloaded.tensor(node).mean().item(), abs=1e-6)
+    shard = load_file(artifacts / "candidate" / "tensors-00000.safetensors")
+    assert len(shard) == len(Trace.load(artifacts / "candidate").files)
+
+
+def test_port_matches_reference_logits_in_fp32():
+    from experiments.llava_port import from_reference
+    from paritylab.references import llava
+    from tests.helpers import llava_inputs
+
+    reference = llava(seed=5)
+    port = from_reference(reference)
+    inputs = llava_inputs(reference, batch=2)
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+        actual = port(inputs["input_ids"], inputs["pixel_values"])
+    torch.testing.assert_close(actual, expected)
+
+
+def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
+    strict, client = run_with(tmp_path, "candidate=bf16", "compare.rtol=1.3e-6", "compare.atol=1e-5",
+                              "compare.noise_floor=off", "compare.replay=false")  # fmt: skip
+    assert strict.exit_code == EXIT_FAIL
+    run_data = client.get_run(strict.run_id)
+    assert run_data.info.status == "FINISHED" and run_data.data.tags["paritylab.verdict"] == "fail"
+    assert run_data.data.tags["paritylab.first_divergence"] != "none"
+    loose, _ = run_with(tmp_path, "candidate=bf16", "compare.replay=false")
+    assert loose.exit_code == EXIT_PASS
+    assert loose.report.rows[0].floor is not None  # auto noise floor for a bf16 candidate
+
+
+def test_planted_port_bug_is_localised_through_the_app(tmp_path):
+    result, client = run_with(
+        tmp_path,
+        "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+        "+candidate.ports.llava.build.module=llm.layers.1.attention.wo",
+    )
+    assert result.exit_code == EXIT_FAIL
+    tags = client.get_run(result.run_id).data.tags
+    assert tags["paritylab.first_divergence"] == "model.language_model.layers.1.self_attn.o_proj"
+    assert tags["paritylab.verdict"] == "fail"
+    assert [row.path for row in result.report.replay_origins] == ["model.language_model.layers.1.self_attn.o_proj"]
+    assert (result.directory / "report" / "layer_heatmap.png").stat().st_size > 1000
+
+
+def test_forward_that_raises_fails_the_run_and_keeps_the_partial_trace(tmp_path):
+    result, client = run_with(
+        tmp_path,
+        "candidate.ports.llava.build._target_=tests.faulty.raising_port",
+        "+candidate.ports.llava.build.module=llm.layers.1.attention",
+    )
+    assert result.exit_code == EXIT_ERROR
+    run_data = client.get_run(result.run_id)
+    assert run_data.info.status == "FAILED" and run_data.data.tags["paritylab.verdict"] == "error"
+    partial = Trace.load(result.directory / "candidate")
+    assert partial.meta["status"] == "error" and partial.meta["error"]["module"] == "llm.layers.1.attention"
+    assert "planted failure" in partial.meta["error"]["message"]
+    assert partial.call("llm.layers.0#0").outputs is not None
+    assert result.report is not None and "llm.layers.1.attention" in json.dumps(result.report.errors)
+    names = {a.path for a in client.list_artifacts(result.run_id, "candidate")}
+    assert "candidate/trace.json" in names
+
+
+def test_port_of_a_model_without_one_lists_what_exists(tmp_path):
+    result, _ = run_with(tmp_path, "model=llama", "candidate=port")
+    assert result.exit_code == EXIT_ERROR
+    assert "no port of a 'llama' model; ports exist for: llava" in result.error
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("compare.rtool=1", "compare.rtool"),
+        ("candidate=nope", "nope"),
+        ("compare.rtol=abc", "compare.rtol"),
+        ("model.build._target_=nowhere.build", "cannot import 'nowhere'"),
+        ("+model.build.hidden_sise=8", "hidden_sise"),
+    ],
+)
+def test_bad_configuration_is_one_line_and_exit_2(tmp_path, override, expected):
+    result = app(tmp_path, override)
+    assert result.returncode == 2, result.stdout + result.stderr
+    output = (result.stderr + result.stdout).strip()
+    assert len(output.splitlines()) == 1, output
+    assert expected in output
+    assert not (tmp_path / "mlflow.db").exists() or "RUNNING" not in output
+
+
+def test_cfg_job_and_help_work_as_hydra_users_expect(tmp_path):
+    shown = app(tmp_path, "--cfg", "job", "candidate=bf16")
+    assert shown.returncode == 0 and "kind: dtype" in shown.stdout and "dtype: bfloat16" in shown.stdout
+    helped = app(tmp_path, "--help")
+    assert helped.returncode == 0 and "candidate: bf16, compiled, eager, port, sdpa" in helped.stdout
