@@ -139,16 +139,21 @@ class _Session:
         return model.to(self.device)
 
     def _trace(self, side: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Trace:
+        from tqdm.auto import tqdm
+
         self.echo(f"paritylab: tracing the {side}")
+        modules = sum(1 for _ in getattr(model, "_orig_mod", model).modules())
+        bar = tqdm(total=modules, desc=f"tracing {side}", unit="call", leave=False, disable=None)
         options = TraceOptions(
             save_tensors=bool(self.cfg.compare.save_tensors),
             max_bytes=self.cfg.compare.max_bytes,
             capture="auto" if self.cfg.compare.capture else None,
             metadata={"side": side, "seed": self.cfg.seed, "model": self.cfg.model.name},
+            on_call=None if bar.disable else lambda _: bar.update(),
         )
         tracer = Tracer(model, self.directory / side, options)
         try:
-            with tracer:
+            with tracer, bar:
                 model(**inputs)
         except Exception as error:
             self._compare_partial(side, error)

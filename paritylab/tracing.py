@@ -132,7 +132,7 @@ class Tracer:
 
     def _register(self, specs: list[CaptureSpec]) -> None:
         for path, module in self.model.named_modules():
-            if not self.options.selects(path):
+            if isinstance(module, _CONTAINERS) or not self.options.selects(path):
                 continue
             self._selected.append(path)
             matching = [spec for spec in specs if spec.matches(path, module)]
@@ -378,6 +378,10 @@ def _slot(output: Any, index: int | str | None) -> str:
     if isinstance(output, Mapping) and isinstance(index, int):
         return f"outputs.{list(output.keys())[index]}"
     return f"outputs.{index}"
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Holders of modules that are never called themselves: not hooked, never reported as missing."""
 
 
 def _is_compiled(model: nn.Module) -> bool:

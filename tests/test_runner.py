@@ -161,3 +161,56 @@ def test_cfg_job_and_help_work_as_hydra_users_expect(tmp_path):
     assert shown.returncode == 0 and "kind: dtype" in shown.stdout and "dtype: bfloat16" in shown.stdout
     helped = app(tmp_path, "--help")
     assert helped.returncode == 0 and "candidate: bf16, compiled, eager, port, sdpa" in helped.stdout
+
+
+def test_pretrained_checkpoint_with_its_processor_and_image(tmp_path):
+    from tests.tiny import save_tiny_llava_checkpoint
+
+    checkpoint = tmp_path / "checkpoint"
+    save_tiny_llava_checkpoint(checkpoint)
+    result, client = run_with(tmp_path, f"model.build.pretrained={checkpoint}", "inputs=image", "compare.replay=false")
+    assert result.exit_code == EXIT_PASS, result.error
+    reference = Trace.load(result.directory / "reference")
+    kwargs = reference.call("#0").inputs["items"]["kwargs"]["items"]
+    assert kwargs["pixel_values"]["shape"] == [1, 3, 28, 28]
+    ids = reference.tensor(kwargs["input_ids"])
+    assert int((ids == 127).sum()) == 4  # the processor expanded <image> into the image's tokens
+    from paritylab.references import llava  # the weights come from the checkpoint, not from a seed
+
+    loaded = llava(pretrained=str(checkpoint))
+    assert torch.equal(loaded.lm_head.weight, llava(seed=11).lm_head.weight)
+    assert client.get_run(result.run_id).data.params["model.build.pretrained"] == str(checkpoint)
+
+
+@pytest.mark.parametrize("candidate", ["sdpa", "compiled"])
+def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
+    overrides = ["model=llama", f"candidate={candidate}", "compare.replay=false"]
+    if candidate == "compiled":
+        overrides.append("candidate.backend=aot_eager")  # the same graph capture, without C++ compilation
+    result, _ = run_with(tmp_path, *overrides)
+    assert result.exit_code == EXIT_PASS, result.error
+    rows = [row for row in result.report.rows if row.status == "compared"]
+    assert len(rows) == len(Trace.load(result.directory / "reference").calls)
+    assert all(row.source == "identity" for row in rows)
+    assert not any("never called" in note for note in result.notes)
+    if candidate == "compiled":
+        assert Trace.load(result.directory / "candidate").meta["compiled"] is True
+        assert any("compiled" in note for note in result.notes)
+
+
+def test_user_configs_from_another_directory(tmp_path):
+    mine = tmp_path / "my_conf" / "candidate"
+    mine.mkdir(parents=True)
+    (mine / "scaled.yaml").write_text(
+        "name: scaled\nkind: target\nbuild:\n  _target_: tests.faulty.scaled_port\n"
+        "  module: llm.layers.0.feed_forward.w2\n  scale: 1.05\nrules: conf/port/llava_alignment.yaml\n"
+        "weight_map: conf/port/llava_weights.yaml\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=scaled",
+         "compare.replay=false", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'h'}"],
+        capture_output=True, text=True, timeout=300, cwd=REPOSITORY,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-1500:] + result.stderr[-1500:]
+    assert "divergence starts at model.language_model.layers.0.mlp.down_proj" in result.stdout
+    assert "weight parity: " in json.loads((tmp_path / "h" / "run.json").read_text())["notes"][0]

@@ -28,3 +28,33 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
 def token_ids(batch: int = 1, length: int = 6, vocab: int = 64, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+def save_tiny_llava_checkpoint(directory) -> None:
+    """A tiny LLaVA checkpoint with a real (word-level) tokenizer and image processor, saved offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    from paritylab.references import llava
+
+    model = llava(seed=11)
+    config = model.config
+    words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(config.text_config.vocab_size - 5)]
+    vocab = {word: index for index, word in enumerate([*words, "<image>"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=r"<image>|\s+|[^\s<]+", behavior="isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    size = config.vision_config.image_size
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+        tokenizer=fast,
+        patch_size=config.vision_config.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
