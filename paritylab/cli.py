@@ -32,8 +32,10 @@ def preflight(argv: list[str]) -> None:
         return
     overrides, config_dir, config_name = _split(argv)
     try:
+        from paritylab.config import check_complete
+
         for candidate in _expansions(overrides):
-            compose(candidate, config_dir, config_name)
+            check_complete(compose(candidate, config_dir, config_name))
     except Exception as error:
         from paritylab.config import one_line
 

@@ -198,6 +198,7 @@ def compare_traces(
     """
     alignment = alignment or align(reference, candidate, rules)
     tolerances = tolerances or Tolerances()
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]] = {}
     pairs = alignment.by_reference()
     ignored = set(alignment.ignored_reference)
     rows: list[Row] = []
@@ -207,7 +208,7 @@ def compare_traces(
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances)
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         rows.append(row)
@@ -241,7 +242,13 @@ def _unmatched_row(call: CallRecord, note: str) -> Row:
 
 
 def _compare_pair(
-    reference: Trace, candidate: Trace, ref_call: CallRecord, cand_call: CallRecord, pair: Pair, tolerances: Tolerances
+    reference: Trace,
+    candidate: Trace,
+    ref_call: CallRecord,
+    cand_call: CallRecord,
+    pair: Pair,
+    tolerances: Tolerances,
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
 ) -> Row:
     ref_slot = primary_slot(ref_call, pair.reference_index)
     cand_slot = primary_slot(cand_call, pair.candidate_index)
@@ -264,15 +271,35 @@ def _compare_pair(
         return row
     dtypes = [n["dtype"] for n in (ref_node, cand_node) if n is not None]
     row.tolerance = tolerances.resolve(ref_call.path, *dtypes) if dtypes else None
-    row.status, row.verdict, row.metrics, row.note = _judge(
-        reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
+    row.status, row.verdict, row.metrics, row.note = _judge_once(
+        memo, reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
     )
     ref_in, cand_in = _primary_input(ref_call), _primary_input(cand_call)
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
-        _, row.input_verdict, row.input_metrics, _ = _judge(
-            reference, candidate, ref_in, cand_in, None, None, row.tolerance
+        _, row.input_verdict, row.input_metrics, _ = _judge_once(
+            memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
         )
     return row
+
+
+def _judge_once(
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
+    reference: Trace,
+    candidate: Trace,
+    ref_node: Node | None,
+    cand_node: Node | None,
+    ref_part: Part | None,
+    cand_part: Part | None,
+    tolerance: Tolerance | None,
+) -> tuple[str, str, dict[str, float], str]:
+    """:func:`_judge`, computed once per pair of stored tensors (a layer's output is the next one's input)."""
+    refs = (ref_node or {}).get("ref"), (cand_node or {}).get("ref")
+    if None in refs:
+        return _judge(reference, candidate, ref_node, cand_node, ref_part, cand_part, tolerance)
+    key = (*refs, ref_part, cand_part, tolerance)
+    if key not in memo:
+        memo[key] = _judge(reference, candidate, ref_node, cand_node, ref_part, cand_part, tolerance)
+    return memo[key]
 
 
 def _judge(

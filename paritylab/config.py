@@ -148,8 +148,16 @@ def register() -> None:
     ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
 
 
+def check_complete(cfg: DictConfig) -> None:
+    """Every required value is set (no ``???`` left)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required but not set: pass {missing[0]}=<value> (or choose a preset)")
+
+
 def check_targets(cfg: DictConfig) -> None:
     """Import every ``_target_`` and check its keyword arguments, before anything is built."""
+    check_complete(cfg)
     nodes = [("model.build", cfg.model.build)]
     if cfg.candidate.build is not None:
         nodes.append(("candidate.build", cfg.candidate.build))

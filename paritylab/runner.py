@@ -31,6 +31,7 @@ from paritylab.config import ConfigError, check_targets, one_line
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
 from paritylab.plots import LAYER, write_plots
+from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
@@ -101,6 +102,8 @@ class _Session:
         if self.report is not None and self.report.errors:
             status, code = "FAILED", EXIT_ERROR
         self._finish_tracking(status, error)
+        if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
+            code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
         return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
 
     # -- phases ---------------------------------------------------------------------------------------------
@@ -252,12 +255,20 @@ class _Session:
 
     def _start_tracking(self) -> None:
         tracking = self.cfg.tracking
+        self.record = RunRecord(
+            run_name=f"{self.cfg.model.name}/{self.cfg.candidate.name}",
+            experiment=str(tracking.experiment),
+            uri=tracking.uri,
+            tags=self._tags(),
+            params={k: str(v) for k, v in flatten(OmegaConf.to_container(self.cfg, resolve=True)).items()},
+            log_tensors=bool(tracking.log_tensors),
+        )
         if not tracking.enabled:
             return
         try:
             tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
-            tracker.start(f"{self.cfg.model.name}/{self.cfg.candidate.name}", self._tags())
-            tracker.log_params(flatten(OmegaConf.to_container(self.cfg, resolve=True)))
+            tracker.start(self.record.run_name, self.record.tags)
+            tracker.log_params(self.record.params)
             self.tracker = tracker
         except TrackingError as error:
             self.tracking_error = str(error)
@@ -291,56 +302,43 @@ class _Session:
     def _finish_tracking(self, status: str, error: str | None) -> None:
         verdict = _verdict(self.report, status)
         _write_run_summary(self.directory, verdict, error, self.notes)
+        record = self.record
+        record.status = status
+        record.tags.update(final_tags(self.report, verdict, error, self.notes))
+        if self.report is not None:
+            record.metrics = report_metrics(self.report)
+            record.table = rows_table(self.report)
+            _write_key_map(self.directory, record.metrics)
+        record.save(self.directory)
         if self.tracker.run_id is None:
             if self.tracking_error:
-                self.echo(
-                    f"paritylab: results kept in {self.directory}; upload them later with: "
-                    f"python -m paritylab.upload {self.directory}"
-                )
+                self._keep_for_upload()
             return
         try:
-            log_results(self.tracker, self.report, self.directory, verdict, error, self.notes,
-                        bool(self.cfg.tracking.log_tensors))  # fmt: skip
-            self.tracker.end(status)
+            publish(self.tracker, record, self.directory)
             self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
         except TrackingError as failure:
             self.tracking_error = str(failure)
-            self.echo(
-                f"paritylab: {failure}; results kept in {self.directory}; upload them later with: "
-                f"python -m paritylab.upload {self.directory}"
-            )
+            self.echo(f"paritylab: {failure}")
+            self._keep_for_upload()
             with suppress(TrackingError):
                 self.tracker.end("FAILED")
 
+    def _keep_for_upload(self) -> None:
+        self.echo(
+            f"paritylab: results kept in {self.directory}; publish them later with: "
+            f"python -m paritylab.upload {self.directory}"
+        )
 
-def log_results(
-    tracker: Tracker,
-    report: Report | None,
-    directory: Path,
-    verdict: str,
-    error: str | None,
-    notes: list[str],
-    log_tensors: bool = True,
-) -> None:
-    """Tags, metrics (batched), the comparison table and every file of the run directory."""
+
+def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
+    """Verdict, first divergence, origins and the markdown description."""
     first = report.first_divergence.path if report is not None and report.first_divergence else None
     tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
     tags["mlflow.note.content"] = _description(report, verdict, error, notes)
     if report is not None:
-        tracker.log_metrics(report_metrics(report))
-        tracker.log_table(rows_table(report), "comparison_table.json")
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
-    tracker.set_tags(tags)
-    log_directory(tracker, directory, log_tensors)
-
-
-def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> None:
-    """Upload every file of the run directory, keeping its layout (safetensors shards only with ``log_tensors``)."""
-    for path in sorted(directory.rglob("*")):
-        if not path.is_file() or (not log_tensors and path.suffix == ".safetensors"):
-            continue
-        parent = path.parent.relative_to(directory).as_posix()
-        tracker.log_artifact(path, None if parent == "." else parent)
+    return tags
 
 
 def report_metrics(report: Report) -> list[Metric]:
@@ -386,6 +384,17 @@ def _description(report: Report | None, verdict: str, error: str | None, notes: 
         lines += [to_markdown(report, limit=40), ""]
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
+
+
+def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
+    """``metric_keys.json``: MLflow key -> module path, for every key that had to be made safe."""
+    import json
+
+    from paritylab.tracking import metric_key
+
+    renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
+    if renamed:
+        (directory / "metric_keys.json").write_text(json.dumps(renamed, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
 def _write_run_summary(directory: Path, verdict: str, error: str | None, notes: list[str]) -> None:

@@ -117,10 +117,13 @@ class Trace:
 
     def call(self, key: str) -> CallRecord:
         """The call with this key (``path#n``)."""
-        for call in self.calls:
-            if call.key == key:
-                return call
-        raise KeyError(f"no call {key!r} in this trace; keys look like {self.keys[:3]}")
+        index = self.__dict__.get("_by_key")
+        if index is None or len(index) != len(self.calls):
+            index = self.__dict__["_by_key"] = {call.key: call for call in self.calls}
+        found = index.get(key)
+        if found is None:
+            raise KeyError(f"no call {key!r} in this trace; keys look like {self.keys[:3]}")
+        return found
 
     def has_values(self, node: Node) -> bool:
         """Whether the tensor behind ``node`` was saved and can be loaded."""
@@ -136,7 +139,12 @@ class Trace:
                 return None
             self._reader = TensorReader(self.directory)
         file_name, key = self.files[ref]
-        return self._reader.load(file_name, key)
+        value = self._reader.load(file_name, key)
+        if "shape" in node and list(value.shape) != list(node["shape"]):
+            raise StorageError(
+                f"tensor {key!r} in {file_name} has shape {list(value.shape)}, the trace says {node['shape']}"
+            )
+        return value
 
     @property
     def captured(self) -> dict[str, list[torch.Tensor]]:
@@ -222,11 +230,12 @@ def _load_paritylab(path: Path) -> Trace:
         files={str(ref): _location(ref, loc) for ref, loc in files.items()},
         directory=path,
     )
-    for ref, (file_name, _) in trace.files.items():
+    reader = TensorReader(path)
+    for file_name in {location[0] for location in trace.files.values()}:
         try:
-            TensorReader(path).resolve(file_name)
+            reader.resolve(file_name)
         except StorageError as error:
-            raise TraceFormatError(f"tensor {ref!r}: {error}") from error
+            raise TraceFormatError(str(error)) from error
     return trace
 
 
@@ -246,12 +255,54 @@ def _captures(data: object) -> dict[str, list[dict[str, str]]]:
     }
 
 
+MAX_NODE_DEPTH = 64
+MAX_DIMS = 32
+_KINDS = {"tensor", "tuple", "list", "dict", "none", "scalar", "object"}
+
+
 def _node_or_none(value: object) -> Node | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or "t" not in value:
-        raise TraceFormatError(f"malformed value node {str(value)[:80]!r}")
-    return value
+    validate_node(value)
+    return value  # type: ignore[return-value]
+
+
+def validate_node(node: object, depth: int = 0) -> None:
+    """Check a value node read from a file, so later code can trust its fields."""
+    if depth > MAX_NODE_DEPTH:
+        raise TraceFormatError(f"value nested deeper than {MAX_NODE_DEPTH} levels")
+    if not isinstance(node, dict) or node.get("t") not in _KINDS:
+        raise TraceFormatError(f"malformed value node {str(node)[:80]!r}")
+    kind = node["t"]
+    if kind == "tensor":
+        _validate_tensor(node)
+    elif kind in ("tuple", "list"):
+        if not isinstance(node.get("items"), list):
+            raise TraceFormatError(f"a {kind} node needs a list of items, got {str(node)[:80]!r}")
+        for item in node["items"]:
+            validate_node(item, depth + 1)
+    elif kind == "dict":
+        if not isinstance(node.get("items"), dict):
+            raise TraceFormatError(f"a dict node needs a mapping of items, got {str(node)[:80]!r}")
+        for item in node["items"].values():
+            validate_node(item, depth + 1)
+
+
+def _validate_tensor(node: dict[str, Any]) -> None:
+    shape = node.get("shape")
+    ok_shape = isinstance(shape, list) and len(shape) <= MAX_DIMS
+    if not ok_shape or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**48 for n in shape):
+        raise TraceFormatError(f"tensor shape must be a list of at most {MAX_DIMS} sizes, got {str(shape)[:80]}")
+    if not isinstance(node.get("dtype"), str) or len(node["dtype"]) > 32:
+        raise TraceFormatError(f"tensor dtype must be a short string, got {str(node.get('dtype'))[:40]!r}")
+    stats = node.get("stats")
+    if stats is not None and not (isinstance(stats, dict) and all(isinstance(k, str) for k in stats)):
+        raise TraceFormatError("tensor stats must be an object")
+    if stats is not None and not all(v is None or isinstance(v, int | float | str) for v in stats.values()):
+        raise TraceFormatError("tensor stats values must be numbers")
+    for key in ("ref", "skipped", "device"):
+        if key in node and not isinstance(node[key], str):
+            raise TraceFormatError(f"tensor {key} must be a string")
 
 
 def json_safe(value: Any) -> Any:

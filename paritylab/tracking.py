@@ -87,17 +87,24 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(uri)
+        self._call("open the store", prepare_store, self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         self.experiment = experiment
         self.experiment_id: str | None = None
         self.run_id: str | None = None
 
     def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise TrackingError(f"MLflow at {self.uri} failed to {what}: {first[:300]}") from error
+        for attempt in range(LOCKED_RETRIES + 1):
+            try:
+                return function(*args, **kwargs)
+            except Exception as error:
+                text = str(error).strip()
+                if "database is locked" in text and attempt < LOCKED_RETRIES:
+                    time.sleep(0.2 * (attempt + 1))  # another job holds the SQLite write lock
+                    continue
+                first = text.splitlines()[0] if text else type(error).__name__
+                raise TrackingError(f"MLflow at {self.uri} failed to {what}: {first[:300]}") from error
+        raise AssertionError("unreachable")
 
     def ensure_experiment(self) -> str:
         if self.experiment_id is None:
@@ -154,6 +161,31 @@ class MlflowTracker(Tracker):
         if self.uri.startswith("http"):
             return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
         return f"mlflow ui --backend-store-uri {self.uri}  (run {self.run_id})"
+
+
+LOCKED_RETRIES = 10
+
+
+def prepare_store(uri: str) -> None:
+    """Create and migrate a SQLite store once, under a file lock, before anything uses it.
+
+    Several processes opening a fresh SQLite store at once each try to create its tables, and all fail
+    (leaving it broken); the lock makes the first create it and the others find it ready.
+    """
+    if not uri.startswith("sqlite:///"):
+        return
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _experiment_id(client: Any, name: str) -> str:

@@ -29,3 +29,25 @@ def raising_port(reference: nn.Module, module: str) -> nn.Module:
 
     port.get_submodule(module).register_forward_hook(hook)
     return port
+
+
+def raising_reference(module: str, **build: Any) -> nn.Module:
+    """The configured transformers LLaVA, with ``module`` raising during the forward."""
+    from paritylab.references import llava
+
+    model = llava(**build)
+
+    def hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        raise RuntimeError(f"planted failure in {module}")
+
+    model.get_submodule(module).register_forward_hook(hook)
+    return model
+
+
+def slow_port(reference: nn.Module, seconds: float = 30.0) -> nn.Module:
+    """The LLaVA port with a decoder layer that sleeps (to be interrupted mid-forward)."""
+    import time
+
+    port = from_reference(reference)
+    port.llm.layers[1].register_forward_hook(lambda *_: time.sleep(seconds))
+    return port

@@ -1,0 +1,389 @@
+"""Faults never lose data or crash badly: the fault matrix of the README, one test per line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+import paritylab
+from paritylab import Trace, TraceFormatError
+from paritylab.comparison import compare_traces
+from paritylab.reporting import to_html
+from paritylab.storage import StorageError, TensorReader
+from paritylab.tracking import TrackingError, metric_key
+from tests.helpers import traced
+from tests.test_runner import app, run_with
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+READ_ERRORS = (TraceFormatError, StorageError)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- bad configuration -----------------------------------------------------------------------------------
+
+
+def test_missing_required_value_is_one_line_exit_2_and_no_run(tmp_path):
+    result = app(tmp_path, "model.name=???")
+    assert result.returncode == 2
+    output = (result.stderr + result.stdout).strip()
+    assert output.splitlines() == [output] and "model.name is required" in output
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+# -- a forward raises --------------------------------------------------------------------------------------
+
+
+def test_reference_forward_that_raises_is_logged_as_failed(tmp_path):
+    result, client = run_with(
+        tmp_path,
+        "model.build._target_=tests.faulty.raising_reference",
+        "+model.build.module=model.language_model.layers.0.mlp",
+    )
+    assert result.exit_code == 2
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["paritylab.verdict"] == "error"
+    partial = Trace.load(result.directory / "reference")
+    assert partial.meta["error"]["module"] == "model.language_model.layers.0.mlp"
+    assert result.report.errors["reference"]["message"] == "planted failure in model.language_model.layers.0.mlp"
+    assert "model.language_model.layers.0.mlp" in (result.directory / "report" / "report.md").read_text()
+    uploaded = {a.path for a in client.list_artifacts(result.run_id, "reference")}
+    assert {"reference/trace.json", "reference/tensors-00000.safetensors"} <= uploaded
+
+
+# -- mismatches --------------------------------------------------------------------------------------------
+
+
+class Looper(nn.Module):
+    def __init__(self, times: int, out: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.times = times
+        self.step = nn.Linear(4, 4)
+        self.head = nn.Linear(4, out)
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = self.step(x)
+        return self.head(x).to(torch.float64)
+
+
+def test_different_call_counts_dtypes_and_shapes_are_rows(tmp_path):
+    x = torch.randn(2, 4)
+    reference = traced(Looper(2), lambda m: m(x), tmp_path)
+    candidate = traced(Looper(3, out=5), lambda m: m(x), tmp_path)
+    report = compare_traces(reference, candidate)
+    assert report.alignment.unmatched_candidate == ["step#2"]
+    rows = {row.reference.key: row for row in report.rows}
+    assert rows["step#0"].verdict == "pass" and rows["step#1"].verdict == "pass"
+    assert rows["head#0"].status == "shape-mismatch"
+    assert rows["#0"].candidate.dtype == "float64"
+
+
+# -- MLflow unreachable or failing -------------------------------------------------------------------------
+
+
+def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path):
+    started = time.monotonic()
+    result = app(tmp_path, f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout=2", "compare.replay=false")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2
+    assert elapsed < 60
+    assert "failed to" in result.stdout and "python -m paritylab.upload" in result.stdout
+    directory = tmp_path / "hydra"
+    assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
+    store = f"sqlite:///{tmp_path / 'later.db'}"
+    upload = subprocess.run(
+        [sys.executable, "-m", "paritylab.upload", str(directory), "--tracking-uri", store],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert upload.returncode == 0, upload.stderr
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["paritylab.verdict"] == "pass"
+    assert run.data.tags["paritylab.uploaded_from"] == str(directory)
+    assert run.data.metrics["summary/failing_modules"] == 0
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
+
+
+def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
+    from paritylab.tracking import MlflowTracker
+
+    def broken(self, metrics):
+        raise TrackingError("MLflow at test failed to log metrics: connection reset")
+
+    monkeypatch.setattr(MlflowTracker, "log_metrics", broken)
+    result, client = run_with(tmp_path, "compare.replay=false")
+    assert result.exit_code == 2 and "connection reset" in result.tracking_error
+    assert client.get_run(result.run_id).info.status == "FAILED"  # not left RUNNING
+    record = json.loads((result.directory / "tracking.json").read_text())
+    assert record["tags"]["paritylab.verdict"] == "pass" and len(record["metrics"]) > 20
+
+
+# -- disk budget -------------------------------------------------------------------------------------------
+
+
+def test_byte_budget_through_the_app_keeps_stats_and_says_what_is_missing(tmp_path):
+    result, _ = run_with(tmp_path, "compare.max_bytes=20000", "compare.replay=false")
+    assert result.exit_code == 0
+    meta = Trace.load(result.directory / "reference").meta
+    assert meta["storage"]["bytes"] <= 20000 and meta["storage"]["skipped"] > 0
+    statuses = {row.status for row in result.report.rows if row.candidate}
+    assert "stats-only" in statuses and "compared" in statuses
+
+
+# -- interrupted ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_run_killed_with_partial_artifacts(tmp_path):
+    command = [
+        sys.executable, "-m", "paritylab", "candidate.ports.llava.build._target_=tests.faulty.slow_port",
+        "compare.replay=false", f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPOSITORY)}
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines = []
+    deadline = time.monotonic() + 120
+    for line in process.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if "tracing the candidate" in line or time.monotonic() > deadline:
+            break
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    output = "".join(lines) + process.communicate(timeout=120)[0]
+    assert process.returncode == 130, output
+    assert "interrupted" in output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    assert run.info.status == "KILLED"
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "reference")}
+    assert "reference/trace.json" in names
+    partial = Trace.load(tmp_path / "hydra" / "candidate")
+    assert partial.meta["status"] == "error" and partial.call("llm.layers.0#0").outputs is not None
+
+
+# -- concurrency ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_eight_parallel_jobs_on_one_fresh_sqlite_store(tmp_path):
+    store = f"sqlite:///{tmp_path / 'shared.db'}"
+    common = ["model=llama", "candidate=bf16", "compare.replay=false", "compare.noise_floor=off"]
+    common += ["compare.rtol=1e-1", "compare.atol=1e-1", f"tracking.uri={store}"]
+    jobs = []
+    for index in range(8):
+        command = [
+            sys.executable,
+            "-m",
+            "paritylab",
+            *common,
+            f"seed={index}",
+            f"hydra.run.dir={tmp_path / str(index)}",
+        ]
+        jobs.append(
+            subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [job.communicate(timeout=600)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0] * 8, outputs
+    client = MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
+    assert sorted(r.data.params["seed"] for r in runs) == [str(i) for i in range(8)]
+
+
+# -- hostile or corrupt trace files --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_trace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with paritylab.trace(model, root, save_tensors=True):
+        model(torch.randn(3, 4))
+    return root
+
+
+def copy_trace(source: Path, target: Path) -> Path:
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def compare_cli(reference: Path, candidate: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "paritylab.compare", str(reference), str(candidate)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def shard(directory: Path) -> Path:
+    return directory / "tensors-00000.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate", "do not fit its shape or the file"),
+        ("huge_header", "beyond the file or the limit"),
+        ("garbage_header", "malformed safetensors header"),
+        ("escape", "outside the trace directory"),
+        ("absurd_shape", "tensor shape must be"),
+        ("shape_lie", "the trace says"),
+        ("bad_json", "not valid JSON"),
+    ],
+)
+def test_corrupt_trace_gives_one_line_exit_2(tmp_path, good_trace, damage, message):
+    broken = copy_trace(good_trace, tmp_path / "broken")
+    document = json.loads((broken / "trace.json").read_text())
+    data = shard(broken).read_bytes()
+    if damage == "truncate":
+        shard(broken).write_bytes(data[: len(data) - 20])
+    elif damage == "huge_header":
+        shard(broken).write_bytes((2**62).to_bytes(8, "little") + data[8:])
+    elif damage == "garbage_header":
+        shard(broken).write_bytes(data[:8] + b"\xff" * 64 + data[72:])
+    elif damage == "escape":
+        document["files"]["t0"] = ["../../secret.safetensors", "t0"]
+    elif damage == "absurd_shape":
+        document["calls"][1]["outputs"]["shape"] = [-1, 10**20]
+    elif damage == "shape_lie":
+        document["calls"][1]["outputs"]["shape"] = [3, 5]
+    elif damage == "bad_json":
+        (broken / "trace.json").write_text('{"schema_version": 1, "calls": [')
+    if damage in ("escape", "absurd_shape", "shape_lie"):
+        (broken / "trace.json").write_text(json.dumps(document))
+    result = compare_cli(good_trace, broken)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def _mutate(document, path, value):
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+
+
+def _paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*prefix, index))
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_trace_json_never_crashes_the_reader(good_trace, tmp_path_factory, data):
+    document = json.loads((good_trace / "trace.json").read_text())
+    paths = [p for p in _paths(document) if p]
+    for _ in range(data.draw(st.integers(1, 3))):
+        _mutate(document, data.draw(st.sampled_from(paths)), data.draw(JSON_VALUES))
+    target = copy_trace(good_trace, tmp_path_factory.mktemp("fuzz"))
+    (target / "trace.json").write_text(json.dumps(document))
+    try:
+        trace = Trace.load(target)
+        compare_traces(Trace.load(good_trace), trace)
+    except READ_ERRORS:
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.binary(max_size=200), length=st.integers(0, 2**64 - 1))
+def test_fuzzed_safetensors_headers_never_crash_or_overread(tmp_path_factory, header, length):
+    directory = tmp_path_factory.mktemp("st")
+    (directory / "x.safetensors").write_bytes(length.to_bytes(8, "little") + header)
+    reader = TensorReader(directory)
+    try:
+        value = reader.load("x.safetensors", "t0")
+    except StorageError:
+        return
+    assert value.numel() * value.element_size() <= len(header)
+
+
+# -- odd module names ----------------------------------------------------------------------------------------
+
+
+class Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        for name in ("my layer", "ünïcode", "a/b", "<script>alert(1)</script>", "x#1", "..", "q:z"):
+            self.add_module(name, nn.Linear(3, 3))
+
+    def forward(self, x):
+        for module in self.children():
+            x = module(x)
+        return x
+
+
+def test_odd_module_names_get_safe_files_valid_keys_and_escaped_html(tmp_path):
+    x = torch.randn(2, 3)
+    reference = traced(Odd(), lambda m: m(x), tmp_path)
+    report = compare_traces(reference, traced(Odd(), lambda m: m(x), tmp_path))
+    assert report.passed and {row.path for row in report.rows} >= {"my layer", "a/b", "x#1", ".."}
+    assert all(path.name.startswith(("tensors", "trace", "Odd_")) for path in reference.directory.iterdir())
+    html = to_html(report)
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    from mlflow.utils.validation import _validate_metric_name
+
+    for row in report.rows:
+        key = metric_key(f"layer/{row.path}/rel_l2")
+        _validate_metric_name(key)
+        assert re.fullmatch(r"[A-Za-z0-9_.\- /:]+", key)
+    assert metric_key("layer/ünïcode/rel_l2") == "layer/_n_code/rel_l2"
+    assert metric_key("layer/../rel_l2") == "layer/_/rel_l2"
+
+
+def test_metric_key_map_is_written_for_renamed_keys(tmp_path):
+    from paritylab.runner import _write_key_map
+    from paritylab.tracking import Metric
+
+    _write_key_map(tmp_path, [Metric("layer/blocks.ü.0/rel_l2", 1.0), Metric("layer/blocks.0/rel_l2", 1.0)])
+    assert json.loads((tmp_path / "metric_keys.json").read_text()) == {
+        "layer/blocks._.0/rel_l2": "layer/blocks.ü.0/rel_l2"
+    }
+
+
+# -- no pickle -----------------------------------------------------------------------------------------------
+
+
+def test_no_pickle_anywhere():
+    sources = [*(REPOSITORY / "paritylab").rglob("*.py"), *(REPOSITORY / "experiments").rglob("*.py")]
+    for source in sources:
+        text = source.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(pickle|dill|cloudpickle)\b", text, re.M), source
+        assert "torch.save(" not in text, source
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (source, call)
