@@ -21,6 +21,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from paritylab.sweep import finish_sweep
+
     preflight(sys.argv[1:])
     main()
-    sys.exit(exit_code())
+    sys.exit(max(exit_code(), finish_sweep()))

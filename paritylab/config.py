@@ -127,6 +127,12 @@ class TrackingConfig:
     retries: int = 1
     log_tensors: bool = True
     """Upload the traces' safetensors shards as artifacts (JSON, reports and plots are always uploaded)."""
+    regression_factor: float = 2.0
+    """A layer regressed when its error grew by more than this factor over the baseline's ..."""
+    regression_floor: float = 1e-6
+    """... and exceeds this absolute relative error (changes at noise level never fire)."""
+    trend: bool = True
+    """Also log per-layer divergence to the pair's long-lived trend run (step = sweep or run number)."""
 
 
 @dataclass

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,11 +30,21 @@ from paritylab.alignment import Rule, load_rules
 from paritylab.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.comparison import Report, compare_traces, noise_floor
 from paritylab.config import ConfigError, check_targets, one_line
+from paritylab.history import (
+    Regression,
+    assess,
+    find_baseline,
+    inputs_digest,
+    layer_errors,
+    next_trend_step,
+    trend_run,
+)
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
 from paritylab.plots import LAYER, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
+from paritylab.sweep import sweep_state
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
@@ -84,10 +96,16 @@ class _Session:
         self.report: Report | None = None
         self.notes: list[str] = []
         self.started = time.perf_counter()
+        self.regression: Regression | None = None
+        self.sweep = sweep_state()
 
     def execute(self) -> RunResult:
         status, code, error = "FINISHED", EXIT_PASS, None
-        self._start_tracking()
+        try:
+            self._start_tracking()
+        except Exception as failure:  # a bug in tracking set-up must not take the parity run down
+            self.tracking_error = f"tracking set-up failed: {type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: {self.tracking_error}")
         try:
             code = self._phases()
         except KeyboardInterrupt:
@@ -101,10 +119,39 @@ class _Session:
             self.echo(f"paritylab: error: {error}")
         if self.report is not None and self.report.errors:
             status, code = "FAILED", EXIT_ERROR
-        self._finish_tracking(status, error)
+        try:
+            self._finish_tracking(status, error)
+        except Exception as failure:  # idem: the results are on disk whatever happens here
+            self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: {self.tracking_error}")
         if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
             code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
+        if code == EXIT_PASS and self.regression is not None and self.regression.regressed:
+            code = EXIT_FAIL
+        self._write_run_summary(status, code, error)
         return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
+
+    def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
+        """``run.json``: the outcome in one small file (sweeps summarise these)."""
+        import json
+
+        report = self.report
+        summary = {
+            "model": str(self.cfg.model.name),
+            "candidate": str(self.cfg.candidate.name),
+            "status": status,
+            "exit_code": code,
+            "verdict": _verdict(report, status),
+            "first_divergence": report.summary()["first_divergence"] if report is not None else None,
+            "regression": self.regression.verdict if self.regression else None,
+            "regressed_layers": self.regression.regressed if self.regression else [],
+            "run_id": self.tracker.run_id,
+            "link": self.tracker.link(),
+            "error": error,
+            "tracking_error": self.tracking_error,
+            "notes": self.notes,
+        }
+        (self.directory / "run.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -267,7 +314,7 @@ class _Session:
             return
         try:
             tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
-            tracker.start(self.record.run_name, self.record.tags)
+            tracker.start(self.record.run_name, self.record.tags, (self.sweep or {}).get("parent_run_id"))
             tracker.log_params(self.record.params)
             self.tracker = tracker
         except TrackingError as error:
@@ -279,6 +326,7 @@ class _Session:
 
         from paritylab import __version__
 
+        resolved: dict[str, Any] = OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[assignment]
         tags = {
             "paritylab.model": str(self.cfg.model.name),
             "paritylab.candidate": str(self.cfg.candidate.name),
@@ -292,7 +340,13 @@ class _Session:
             "paritylab.device": str(self.device),
             "paritylab.dtype": _value(self.cfg.dtype),
             "paritylab.output_dir": str(self.directory),
+            "paritylab.pair": f"{self.cfg.model.name}/{self.cfg.candidate.name}",
+            "paritylab.inputs": inputs_digest({key: resolved[key] for key in ("model", "inputs", "dtype")}),
+            "paritylab.host": socket.gethostname(),
+            "paritylab.pid": str(os.getpid()),
         }
+        if self.sweep:
+            tags["paritylab.sweep_number"] = str(self.sweep.get("number", ""))
         commit = _git_commit()
         if commit:
             tags["paritylab.git_commit"] = commit
@@ -301,7 +355,6 @@ class _Session:
 
     def _finish_tracking(self, status: str, error: str | None) -> None:
         verdict = _verdict(self.report, status)
-        _write_run_summary(self.directory, verdict, error, self.notes)
         record = self.record
         record.status = status
         record.tags.update(final_tags(self.report, verdict, error, self.notes))
@@ -315,6 +368,7 @@ class _Session:
                 self._keep_for_upload()
             return
         try:
+            self._history(record)
             publish(self.tracker, record, self.directory)
             self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
         except TrackingError as failure:
@@ -324,11 +378,41 @@ class _Session:
             with suppress(TrackingError):
                 self.tracker.end("FAILED")
 
+    def _history(self, record: RunRecord) -> None:
+        """Regression against the pair's baseline, and the pair's trend run (MLflow trackers only)."""
+        tracker = self.tracker
+        if not isinstance(tracker, MlflowTracker) or self.report is None:
+            return
+        tracking = self.cfg.tracking
+        pair, digest = record.tags["paritylab.pair"], record.tags["paritylab.inputs"]
+        experiment = tracker.ensure_experiment()
+        client = tracker.client
+        baseline = tracker.call("find the baseline", find_baseline, client, experiment, pair, digest, tracker.run_id)
+        before = layer_errors(baseline.data.metrics) if baseline is not None else None
+        current = layer_errors({m.key: m.value for m in record.metrics})
+        regression = assess(current, before, tracking.regression_factor, tracking.regression_floor)
+        if baseline is not None:
+            regression.baseline_run_id = baseline.info.run_id
+        record.tags.update(regression.tags())
+        record.metrics += [Metric(f"regression/{layer}/ratio", ratio) for layer, ratio in regression.ratios.items()]
+        if regression.regressed:
+            self.echo(f"paritylab: REGRESSED against {regression.baseline_run_id}: {', '.join(regression.regressed)}")
+        self.regression = regression
+        if tracking.trend:
+            trend = tracker.call("open the trend run", trend_run, client, experiment, pair, digest)
+            step = (self.sweep or {}).get("number") or tracker.call("count", next_trend_step, client, trend)
+            points = [Metric(m.key, m.value, int(step)) for m in record.metrics if _trend_metric(m.key)]
+            tracker.log_metrics_to(trend, points)
+
     def _keep_for_upload(self) -> None:
         self.echo(
             f"paritylab: results kept in {self.directory}; publish them later with: "
             f"python -m paritylab.upload {self.directory}"
         )
+
+
+def _trend_metric(key: str) -> bool:
+    return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
 
 
 def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
@@ -395,13 +479,6 @@ def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
     renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
     if renamed:
         (directory / "metric_keys.json").write_text(json.dumps(renamed, indent=1, ensure_ascii=False), encoding="utf-8")
-
-
-def _write_run_summary(directory: Path, verdict: str, error: str | None, notes: list[str]) -> None:
-    import json
-
-    summary = {"verdict": verdict, "error": error, "notes": notes}
-    (directory / "run.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:

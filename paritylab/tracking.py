@@ -93,6 +93,18 @@ class MlflowTracker(Tracker):
         self.experiment_id: str | None = None
         self.run_id: str | None = None
 
+    def call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """``function(*args)``, with MLflow's failures as one-line :class:`TrackingError`."""
+        return self._call(what, function, *args, **kwargs)
+
+    def log_metrics_to(self, run_id: str, metrics: Iterable[Metric]) -> None:
+        """Log to another run (a trend run) in batches."""
+        current, self.run_id = self.run_id, run_id
+        try:
+            self.log_metrics(metrics)
+        finally:
+            self.run_id = current
+
     def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         for attempt in range(LOCKED_RETRIES + 1):
             try:

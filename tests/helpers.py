@@ -51,3 +51,10 @@ def llava_inputs(model: nn.Module, batch: int = 2, text: int = 6, seed: int = 3)
     size = config.vision_config.image_size
     pixels = torch.randn(batch, 3, size, size, generator=generator)
     return {"input_ids": ids, "pixel_values": pixels}
+
+
+def parity_runs(client) -> list:
+    """The parity runs of the ``paritylab`` experiment (not its sweep parents or trend runs)."""
+    experiment = client.get_experiment_by_name("paritylab")
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    return [r for r in runs if "paritylab.pair" in r.data.tags and r.data.tags.get("paritylab.trend") != "true"]

@@ -25,7 +25,7 @@ from paritylab.comparison import compare_traces
 from paritylab.reporting import to_html
 from paritylab.storage import StorageError, TensorReader
 from paritylab.tracking import TrackingError, metric_key
-from tests.helpers import traced
+from tests.helpers import parity_runs, traced
 from tests.test_runner import app, run_with
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     )  # fmt: skip
     assert upload.returncode == 0, upload.stderr
     client = MlflowClient(store)
-    (run,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    (run,) = parity_runs(client)
     assert run.info.status == "FINISHED" and run.data.tags["paritylab.verdict"] == "pass"
     assert run.data.tags["paritylab.uploaded_from"] == str(directory)
     assert run.data.metrics["summary/failing_modules"] == 0
@@ -175,7 +175,7 @@ def test_sigterm_ends_the_run_killed_with_partial_artifacts(tmp_path):
     assert process.returncode == 130, output
     assert "interrupted" in output
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    (run,) = parity_runs(client)
     assert run.info.status == "KILLED"
     names = {a.path for a in client.list_artifacts(run.info.run_id, "reference")}
     assert "reference/trace.json" in names
@@ -207,7 +207,7 @@ def test_eight_parallel_jobs_on_one_fresh_sqlite_store(tmp_path):
     outputs = [job.communicate(timeout=600)[0] for job in jobs]
     assert [job.returncode for job in jobs] == [0] * 8, outputs
     client = MlflowClient(store)
-    runs = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    runs = parity_runs(client)
     assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
     assert sorted(r.data.params["seed"] for r in runs) == [str(i) for i in range(8)]
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from paritylab import Trace
 from paritylab.cli import compose
 from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
+from tests.helpers import parity_runs
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_default_run_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "PASS" in result.stdout and "mlflow ui --backend-store-uri sqlite:///" in result.stdout
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run_info,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+    (run_info,) = parity_runs(client)
     assert run_info.info.status == "FINISHED" and run_info.info.run_name == "llava/port"
     tags = run_info.data.tags
     assert tags["paritylab.verdict"] == "pass" and tags["paritylab.first_divergence"] == "none"
