@@ -274,7 +274,8 @@ def test_corrupt_trace_gives_one_line_exit_2(tmp_path, good_trace, damage, messa
         (broken / "trace.json").write_text('{"schema_version": 1, "calls": [')
     if damage in ("escape", "absurd_shape", "shape_lie"):
         (broken / "trace.json").write_text(json.dumps(document))
-    result = compare_cli(good_trace, broken)
+    reference = broken if damage == "shape_lie" else good_trace  # a lie on both sides is only seen in the file
+    result = compare_cli(reference, broken)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
@@ -307,8 +308,8 @@ JSON_VALUES = st.recursive(
 @given(data=st.data())
 def test_fuzzed_trace_json_never_crashes_the_reader(good_trace, tmp_path_factory, data):
     document = json.loads((good_trace / "trace.json").read_text())
-    paths = [p for p in _paths(document) if p]
     for _ in range(data.draw(st.integers(1, 3))):
+        paths = [p for p in _paths(document) if p]  # afresh: a mutation may have replaced a container
         _mutate(document, data.draw(st.sampled_from(paths)), data.draw(JSON_VALUES))
     target = copy_trace(good_trace, tmp_path_factory.mktemp("fuzz"))
     (target / "trace.json").write_text(json.dumps(document))
@@ -339,7 +340,7 @@ class Odd(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        for name in ("my layer", "ünïcode", "a/b", "<script>alert(1)</script>", "x#1", "..", "q:z"):
+        for name in ("my layer", "ünïcode", "a/b", "<script>alert(1)</script>", "x#1", "q:z"):
             self.add_module(name, nn.Linear(3, 3))
 
     def forward(self, x):
@@ -352,7 +353,7 @@ def test_odd_module_names_get_safe_files_valid_keys_and_escaped_html(tmp_path):
     x = torch.randn(2, 3)
     reference = traced(Odd(), lambda m: m(x), tmp_path)
     report = compare_traces(reference, traced(Odd(), lambda m: m(x), tmp_path))
-    assert report.passed and {row.path for row in report.rows} >= {"my layer", "a/b", "x#1", ".."}
+    assert report.passed and {row.path for row in report.rows} >= {"my layer", "a/b", "x#1", "q:z"}
     assert all(path.name.startswith(("tensors", "trace", "Odd_")) for path in reference.directory.iterdir())
     html = to_html(report)
     assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
