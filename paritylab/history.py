@@ -4,8 +4,8 @@ Runs of one model/candidate/inputs combination share the tags ``paritylab.pair``
 ``paritylab.inputs`` (a digest of the model and inputs configuration). A run's baseline is the newest
 run promoted with ``python -m paritylab.promote RUN_ID`` (tag ``paritylab.baseline=golden``), else the
 previous finished run of the pair. Each layer's relative error is compared with the baseline's: it
-*regressed* when it grew by more than ``factor`` and exceeds the absolute ``floor`` (so changes at
-noise level never fire), and *improved* symmetrically.
+*regressed* when ``error > factor × baseline + floor`` (the absolute floor keeps changes at noise level
+from firing), and *improved* when ``error × factor + floor < baseline``.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def assess(
         before = baseline.get(layer)
         if before is None or not math.isfinite(value):
             continue
-        result.ratios[layer] = value / max(before, floor)
-        if value > floor and value > factor * max(before, floor):
+        result.ratios[layer] = value / before if before > 0 else (math.inf if value > 0 else 1.0)
+        if value > factor * before + floor:
             result.regressed.append(layer)
-        elif before > floor and value * factor < before:
+        elif value * factor + floor < before:
             result.improved.append(layer)
     if result.regressed:
         result.verdict = "regressed"

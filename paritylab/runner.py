@@ -72,11 +72,13 @@ def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[st
     """Run one parity comparison as configured; never raises for bad input or a failing forward."""
     out = Path(directory or cfg.output_dir or _hydra_dir() or _default_dir(cfg)).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier run in this directory is not ours
     try:
         check_targets(cfg)
         _device(cfg)
     except ConfigError as error:
         echo(f"paritylab: {one_line(error)}")
+        _write_json(out / "run.json", {"exit_code": EXIT_ERROR, "verdict": "error", "error": one_line(error)})
         return RunResult(EXIT_ERROR, out, error=str(error))
     session = _Session(cfg, out, echo)
     with _sigterm_as_interrupt():
@@ -133,7 +135,6 @@ class _Session:
 
     def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
         """``run.json``: the outcome in one small file (sweeps summarise these)."""
-        import json
 
         report = self.report
         summary = {
@@ -151,7 +152,7 @@ class _Session:
             "tracking_error": self.tracking_error,
             "notes": self.notes,
         }
-        (self.directory / "run.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        _write_json(self.directory / "run.json", summary)
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -468,6 +469,12 @@ def _description(report: Report | None, verdict: str, error: str | None, notes: 
         lines += [to_markdown(report, limit=40), ""]
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    import json
+
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
 
 
 def _write_key_map(directory: Path, metrics: list[Metric]) -> None:

@@ -1,0 +1,116 @@
+"""Sweeps over a real MLflow server: parent/child runs, the regression gate, parallel jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.helpers import parity_runs
+
+pytestmark = pytest.mark.slow
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def sweep(tmp_path: Path, uri: str, experiment: str, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "paritylab", "-m", *overrides, f"tracking.uri={uri}",
+         f"tracking.experiment={experiment}", "compare.replay=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )  # fmt: skip
+
+
+def runs_of(client: MlflowClient, experiment: str) -> list:
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id], max_results=500)
+
+
+def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
+    result = sweep(tmp_path, mlflow_server, "nested", "model=llama", "candidate=bf16,sdpa,eager")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(mlflow_server)
+    runs = runs_of(client, "nested")
+    (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["llama/bf16", "llama/eager", "llama/sdpa"]
+    assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
+    assert parent.info.status == "FINISHED" and "| 0-llama-bf16 | pass |" in parent.data.tags["mlflow.note.content"]
+    assert parent.data.metrics["sweep/jobs"] == 3 and parent.data.metrics["sweep/failed"] == 0
+    assert "sweep_summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    trends = [r for r in runs if r.data.tags.get("paritylab.trend") == "true"]
+    assert len(trends) == 3
+    history = client.get_metric_history(trends[0].info.run_id, "summary/failing_modules")
+    assert [m.step for m in history] == [int(parent.data.tags["paritylab.sweep_number"])]
+
+
+def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, mlflow_server):
+    experiment = "gate"
+    base = sweep(tmp_path, mlflow_server, experiment, "candidate=port")
+    assert base.returncode == 0, base.stdout[-3000:]
+    client = MlflowClient(mlflow_server)
+    (golden,) = parity_runs_named(client, experiment)
+    promoted = subprocess.run(
+        [sys.executable, "-m", "paritylab.promote", golden.info.run_id, "--tracking-uri", mlflow_server],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    assert client.get_run(golden.info.run_id).data.tags["paritylab.baseline"] == "golden"
+
+    same = sweep(tmp_path, mlflow_server, experiment, "candidate=port")
+    assert same.returncode == 0, same.stdout[-3000:]
+    assert "| none |" in same.stdout
+
+    worse = sweep(
+        tmp_path, mlflow_server, experiment, "candidate=port",
+        "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+        "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
+        "+candidate.ports.llava.build.scale=1.0001",
+    )  # fmt: skip
+    assert worse.returncode == 1, worse.stdout[-3000:]
+    assert "regressed" in worse.stdout and "model.language_model.layers.1" in worse.stdout
+    newest = max(parity_runs_named(client, experiment), key=lambda r: r.info.start_time)
+    tags = newest.data.tags
+    assert tags["paritylab.verdict"] == "pass"  # still within tolerance: only the gate catches it
+    assert tags["paritylab.regression"] == "regressed" and tags["paritylab.baseline_run"] == golden.info.run_id
+    assert "model.language_model.layers.1" in tags["paritylab.regressed_layers"]
+    assert newest.data.metrics["regression/model.language_model.layers.1/ratio"] > 2
+
+
+def parity_runs_named(client: MlflowClient, experiment: str) -> list:
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id], max_results=500)
+    return [r for r in runs if "paritylab.pair" in r.data.tags and r.data.tags.get("paritylab.trend") != "true"]
+
+
+def test_parallel_jobs_on_a_fresh_sqlite_store(tmp_path):
+    store = f"sqlite:///{tmp_path / 'fresh.db'}"
+    result = subprocess.run(
+        [sys.executable, "-m", "paritylab", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3",
+         "model=llama", "candidate=bf16,sdpa,eager", "compare.replay=false", f"tracking.uri={store}",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(store)
+    runs = parity_runs(client)
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
+    parent_ids = {r.data.tags.get("mlflow.parentRunId") for r in runs}
+    assert len(parent_ids) == 1 and None not in parent_ids
+    summary = json.loads((tmp_path / "sweep" / "paritylab_sweep.json").read_text())
+    assert summary["finished"] and summary["exit_code"] == 0
+
+
+def test_regression_rule_is_a_factor_plus_a_floor():
+    from paritylab.history import assess
+
+    baseline = {"a": 1e-8, "b": 1e-3, "c": 1e-3}
+    result = assess({"a": 5e-7, "b": 3e-3, "c": 1e-4, "new": 1.0}, baseline, factor=2.0, floor=1e-6)
+    assert result.regressed == ["b"] and result.improved == ["c"]  # "a" grew 50x but stays under the floor
+    assert result.verdict == "regressed" and result.ratios["a"] == pytest.approx(50)
+    assert assess({"a": 1.0}, None, 2.0, 1e-6).verdict == "no-baseline"
+    assert assess({"c": 1e-4}, baseline, 2.0, 1e-6).verdict == "improved"
