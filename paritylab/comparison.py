@@ -23,7 +23,7 @@ import torch
 
 from paritylab.alignment import Alignment, Pair, Part, Rule, align, primary_slot
 from paritylab.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
-from paritylab.tracefile import CallRecord, Trace, display_path
+from paritylab.tracefile import CallRecord, Trace
 from paritylab.values import Node, first_tensor_slot, iter_tensors
 
 NOISE_MULTIPLE = 4.0
@@ -462,7 +462,3 @@ def noise_floor(exact: Trace, low_precision: Trace) -> dict[str, float]:
         if math.isfinite(metrics["rel_l2"]):
             floors[call.key] = metrics["rel_l2"]
     return floors
-
-
-def display(row: Row) -> str:
-    return display_path(row.path)

@@ -247,7 +247,7 @@ class _ShardWriter:
             self.store.skipped[name] = self.failure or "disk error"
             return
         if pending.version is not None and tensor_version(data) != pending.version:
-            self._discard_last(shard, nbytes)
+            self._discard_last(shard)
             self.store.skipped[name] = "modified in place while it was written"
             return
         entry["data_offsets"] = [shard.size, shard.size + nbytes]
@@ -256,7 +256,7 @@ class _ShardWriter:
         self.bytes_written += nbytes
         self.store.files[name] = shard.path.name
 
-    def _discard_last(self, shard: _Shard, nbytes: int) -> None:
+    def _discard_last(self, shard: _Shard) -> None:
         try:
             shard.handle.seek(8 + HEADER_CAPACITY + shard.size)
             shard.handle.truncate()

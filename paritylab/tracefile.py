@@ -125,10 +125,6 @@ class Trace:
             raise KeyError(f"no call {key!r} in this trace; keys look like {self.keys[:3]}")
         return found
 
-    def has_values(self, node: Node) -> bool:
-        """Whether the tensor behind ``node`` was saved and can be loaded."""
-        return node.get("ref") in self.files
-
     def tensor(self, node: Node) -> torch.Tensor | None:
         """The saved value of a tensor node, read lazily; ``None`` when it was not saved."""
         ref = node.get("ref")
