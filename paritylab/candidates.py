@@ -29,11 +29,11 @@ class Candidate:
 
 def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candidate:
     """The candidate described by ``cfg`` (the ``candidate`` config group) for this reference."""
-    kind = str(cfg.kind.value if hasattr(cfg.kind, "value") else cfg.kind)
+    kind = str(cfg.kind)  # config enums are StrEnums: str() is the value
     if kind == "port":
         return _port(cfg, family, reference)
     if kind == "dtype":
-        dtype = getattr(torch, str(cfg.dtype.value if hasattr(cfg.dtype, "value") else cfg.dtype))
+        dtype = getattr(torch, str(cfg.dtype))
         return Candidate(copy.deepcopy(reference).to(dtype))
     if kind == "attention":
         return Candidate(_with_attention(reference, str(cfg.attn_implementation)))

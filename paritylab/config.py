@@ -94,17 +94,12 @@ class InputsConfig:
 
 
 @dataclass
-class ToleranceConfig:
-    rtol: float | None = None
-    atol: float | None = None
-
-
-@dataclass
 class CompareConfig:
     rtol: float | None = None
     atol: float | None = None
-    modules: dict[str, ToleranceConfig] = field(default_factory=dict)
-    """Per-module-path-pattern tolerance overrides (fnmatch patterns on reference paths)."""
+    modules: dict[str, Any] = field(default_factory=dict)
+    """Per-module-path-pattern tolerance overrides: ``{pattern: {rtol:, atol:}}`` (fnmatch on reference
+    paths; values are checked when the run starts, with a one-line error)."""
     rules: str | None = None
     """Extra alignment rules YAML, applied before the candidate's own."""
     replay: bool = True

@@ -19,7 +19,7 @@ def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None
         raise ConfigError(
             f"inputs.batch_size={cfg.batch_size} and inputs.prompt_length={cfg.prompt_length} must be at least 1"
         )
-    if str(cfg.kind) in ("processor", "InputKind.processor"):
+    if str(cfg.kind) == "processor":
         return processor_inputs(cfg, pretrained)
     generator = torch.Generator().manual_seed(int(cfg.seed))
     config = getattr(model, "config", None)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paritylab.tracefile import json_safe
+from paritylab.tracefile import write_json
 from paritylab.tracking import Metric, Tracker
 
 RECORD_FILE = "tracking.json"
@@ -31,9 +31,8 @@ class RunRecord:
     log_tensors: bool = True
 
     def save(self, directory: Path) -> Path:
-        data = asdict(self)
         path = directory / RECORD_FILE
-        path.write_text(json.dumps(json_safe(data), indent=1, allow_nan=False), encoding="utf-8")
+        write_json(path, asdict(self), indent=1)
         return path
 
     @classmethod

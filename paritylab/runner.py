@@ -45,7 +45,7 @@ from paritylab.plots import LAYER, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.sweep import sweep_state
-from paritylab.tracefile import Trace
+from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
 
@@ -78,7 +78,7 @@ def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[st
         _device(cfg)
     except ConfigError as error:
         echo(f"paritylab: {one_line(error)}")
-        _write_json(out / "run.json", {"exit_code": EXIT_ERROR, "verdict": "error", "error": one_line(error)})
+        write_json(out / "run.json", {"exit_code": EXIT_ERROR, "verdict": "error", "error": one_line(error)}, indent=1)
         return RunResult(EXIT_ERROR, out, error=str(error))
     session = _Session(cfg, out, echo)
     with _sigterm_as_interrupt():
@@ -152,7 +152,7 @@ class _Session:
             "tracking_error": self.tracking_error,
             "notes": self.notes,
         }
-        _write_json(self.directory / "run.json", summary)
+        write_json(self.directory / "run.json", summary, indent=1)
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ class _Session:
     def _noise_floor(
         self, reference: nn.Module, candidate: nn.Module, inputs: dict[str, torch.Tensor]
     ) -> dict[str, float] | None:
-        mode = _value(self.cfg.compare.noise_floor)
+        mode = str(self.cfg.compare.noise_floor)
         dtypes = {_dtype_of(reference), _dtype_of(candidate)}
         low = next((dtype for dtype in LOW_PRECISION if dtype in dtypes), None)
         if mode == "off" or (mode == "auto" and low is None):
@@ -339,7 +339,7 @@ class _Session:
             "paritylab.transformers_version": transformers.__version__,
             "paritylab.python_version": platform.python_version(),
             "paritylab.device": str(self.device),
-            "paritylab.dtype": _value(self.cfg.dtype),
+            "paritylab.dtype": str(self.cfg.dtype),
             "paritylab.output_dir": str(self.directory),
             "paritylab.pair": f"{self.cfg.model.name}/{self.cfg.candidate.name}",
             "paritylab.inputs": inputs_digest({key: resolved[key] for key in ("model", "inputs", "dtype")}),
@@ -471,21 +471,14 @@ def _description(report: Report | None, verdict: str, error: str | None, notes: 
     return "\n".join(lines)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    import json
-
-    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
-
-
 def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
     """``metric_keys.json``: MLflow key -> module path, for every key that had to be made safe."""
-    import json
 
     from paritylab.tracking import metric_key
 
     renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
     if renamed:
-        (directory / "metric_keys.json").write_text(json.dumps(renamed, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_json(directory / "metric_keys.json", renamed, indent=1)
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:
@@ -517,10 +510,6 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
 
 def _cast_floats(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {key: value.to(dtype) if value.is_floating_point() else value for key, value in inputs.items()}
-
-
-def _value(option: Any) -> str:
-    return str(option.value if hasattr(option, "value") else option)
 
 
 def _hydra_dir() -> str | None:

@@ -20,6 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from paritylab.tracefile import write_json
+
 STATE_FILE = "paritylab_sweep.json"
 ENVIRONMENT = "PARITYLAB_SWEEP_DIR"
 STALE_AFTER = 24 * 3600
@@ -198,6 +200,4 @@ def _next_sweep_number(client: Any, experiment_id: str) -> int:
 
 
 def _write(directory: Path, state: dict[str, Any]) -> None:
-    partial = directory / (STATE_FILE + ".partial")
-    partial.write_text(json.dumps(state, indent=1), encoding="utf-8")
-    partial.replace(directory / STATE_FILE)
+    write_json(directory / STATE_FILE, state, indent=1)

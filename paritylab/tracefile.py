@@ -324,12 +324,13 @@ def as_float(value: object) -> float:
     return math.nan
 
 
-def write_json(path: Path, document: Any) -> None:
-    """Write compact standard JSON atomically (a reader never sees half a file)."""
+def write_json(path: Path, document: Any, indent: int | None = None) -> None:
+    """Write standard JSON atomically (a reader never sees half a file); compact unless ``indent``."""
+    separators = (",", ":") if indent is None else None
     try:
-        text = json.dumps(document, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(document, separators=separators, indent=indent, allow_nan=False)
     except ValueError:  # a non-finite float somewhere: spell it as a string
-        text = json.dumps(json_safe(document), separators=(",", ":"), allow_nan=False)
+        text = json.dumps(json_safe(document), separators=separators, indent=indent, allow_nan=False)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
