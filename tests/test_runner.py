@@ -215,3 +215,18 @@ def test_user_configs_from_another_directory(tmp_path):
     assert result.returncode == 1, result.stdout[-1500:] + result.stderr[-1500:]
     assert "divergence starts at model.language_model.layers.0.mlp.down_proj" in result.stdout
     assert "weight parity: " in json.loads((tmp_path / "h" / "run.json").read_text())["notes"][0]
+
+
+def test_per_module_tolerance_overrides(tmp_path):
+    strict = ["candidate=bf16", "compare.rtol=1.3e-6", "compare.atol=1e-5", "compare.noise_floor=off"]
+    strict.append("compare.replay=false")
+    plain, _ = run_with(tmp_path / "a", *strict)
+    overridden, _ = run_with(tmp_path / "b", *strict, "+compare.modules.lm_head={rtol: 0.05}")
+    before = {row.path: row for row in plain.report.rows}
+    after = {row.path: row for row in overridden.report.rows}
+    assert before["lm_head"].verdict == "fail" and after["lm_head"].verdict == "pass"
+    assert after["lm_head"].tolerance.rtol == 0.05 and after["lm_head"].tolerance.atol == 1e-5
+    assert (
+        after["model.language_model.norm"].tolerance.rtol == 1.3e-6
+        and after["model.language_model.norm"].verdict == "fail"
+    )

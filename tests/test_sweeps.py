@@ -114,3 +114,22 @@ def test_regression_rule_is_a_factor_plus_a_floor():
     assert result.verdict == "regressed" and result.ratios["a"] == pytest.approx(50)
     assert assess({"a": 1.0}, None, 2.0, 1e-6).verdict == "no-baseline"
     assert assess({"c": 1e-4}, baseline, 2.0, 1e-6).verdict == "improved"
+
+
+def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
+    import socket
+
+    from paritylab.sweep import close_stale_runs
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'stale.db'}")
+    experiment = client.create_experiment("stale")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    orphan = client.create_run(experiment, tags={"paritylab.host": host, "paritylab.pid": str(dead.pid)})
+    alive = client.create_run(experiment, tags={"paritylab.host": host, "paritylab.pid": str(os.getpid())})
+    trend = client.create_run(experiment, tags={"paritylab.trend": "true"})
+    assert close_stale_runs(client, experiment) == [orphan.info.run_id]
+    assert client.get_run(orphan.info.run_id).info.status == "KILLED"
+    assert client.get_run(alive.info.run_id).info.status == "RUNNING"
+    assert client.get_run(trend.info.run_id).info.status == "RUNNING"
