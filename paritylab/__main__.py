@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from paritylab.cli import CONF_DIR, exit_code, preflight, record
+from paritylab.cli import CONF_DIR, exit_code, exit_process, preflight, record
 from paritylab.config import register
 
 register()
@@ -25,4 +25,4 @@ if __name__ == "__main__":
 
     preflight(sys.argv[1:])
     main()
-    sys.exit(max(exit_code(), finish_sweep()))
+    exit_process(max(exit_code(), finish_sweep()))

@@ -111,7 +111,7 @@ def to_json(report: Report) -> str:
 def to_html(report: Report, title: str = "paritylab report", images: dict[str, str] | None = None) -> str:
     """A self-contained HTML page; every name shown is escaped (module names come from user code).
 
-    ``images`` maps captions to base64-encoded PNGs to embed.
+    ``images`` maps captions to SVG documents to embed (paritylab's own plots: trusted markup).
     """
     esc = html.escape
     rows_html = []
@@ -120,9 +120,7 @@ def to_html(report: Report, title: str = "paritylab report", images: dict[str, s
         cells = "".join(f"<td>{esc(cell)}</td>" for cell in _cells(row))
         rows_html.append(f'<tr class="{css}">{cells}</tr>')
     figures = "".join(
-        f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}"><figcaption>{esc(caption)}'
-        "</figcaption></figure>"
-        for caption, data in (images or {}).items()
+        f"<figure>{svg}<figcaption>{esc(caption)}</figcaption></figure>" for caption, svg in (images or {}).items()
     )
     summary = esc(json.dumps(json_safe(report.summary()), indent=1))
     return f"""<!doctype html>
@@ -132,7 +130,7 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; font-size: 13px; }}
 td, th {{ border: 1px solid #ddd; padding: 2px 6px; text-align: left; }}
 tr.fail {{ background: #fde2e2; }} tr.pass {{ background: #f3fbf3; }} tr.skip {{ color: #888; }}
-figure {{ display: inline-block; margin: 1em; }} img {{ max-width: 720px; }}
+figure {{ display: inline-block; margin: 1em; vertical-align: top; }}
 pre {{ background: #f6f6f6; padding: 1em; }}
 </style></head><body>
 <h1>{esc(title)}</h1>

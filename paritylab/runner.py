@@ -291,11 +291,7 @@ class _Session:
         (folder / "report.md").write_text(to_markdown(report), encoding="utf-8")
         (folder / "alignment.yaml").write_text(report.alignment.to_yaml(), encoding="utf-8")
         _write_csv(folder / "comparison.csv", rows_table(report))
-        images = {}
-        for path in write_plots(report, folder):
-            import base64
-
-            images[path.stem.replace("_", " ")] = base64.b64encode(path.read_bytes()).decode()
+        images = {path.stem.replace("_", " "): path.read_text(encoding="utf-8") for path in write_plots(report, folder)}
         title = f"{self.cfg.model.name} vs {self.cfg.candidate.name}"
         (folder / "report.html").write_text(to_html(report, title, images), encoding="utf-8")
 

@@ -62,7 +62,7 @@ def test_default_run_end_to_end(tmp_path):
     assert len(layer) == 1 and layer[0].value < 1e-6
 
     artifacts = Path(client.download_artifacts(run_info.info.run_id, "", str(tmp_path / "downloaded")))
-    for name in ("report/report.html", "report/alignment.yaml", "report/divergence_by_depth.png", ".hydra/config.yaml"):
+    for name in ("report/report.html", "report/alignment.yaml", "report/divergence_by_depth.svg", ".hydra/config.yaml"):
         assert (artifacts / name).is_file(), name
     assert (artifacts / "comparison_table.json").is_file()
     downloaded = Trace.load(artifacts / "reference")
@@ -111,7 +111,8 @@ def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     assert tags["paritylab.first_divergence"] == "model.language_model.layers.1.self_attn.o_proj"
     assert tags["paritylab.verdict"] == "fail"
     assert [row.path for row in result.report.replay_origins] == ["model.language_model.layers.1.self_attn.o_proj"]
-    assert (result.directory / "report" / "layer_heatmap.png").stat().st_size > 1000
+    heatmap = (result.directory / "report" / "layer_heatmap.svg").read_text()
+    assert heatmap.startswith("<svg") and "language_model.1 rel_l2" in heatmap
 
 
 def test_forward_that_raises_fails_the_run_and_keeps_the_partial_trace(tmp_path):
