@@ -36,6 +36,12 @@ class NoiseFloor(enum.StrEnum):
     off = "off"
 
 
+class Resident(enum.StrEnum):
+    auto = "auto"
+    both = "both"
+    one = "one"
+
+
 class InputKind(enum.StrEnum):
     synthetic = "synthetic"
     processor = "processor"
@@ -140,6 +146,10 @@ class ParityConfig:
     device: str = "auto"
     dtype: DType = DType.float32
     seed: int = 0
+    resident: Resident = Resident.auto
+    """``one``: each traced model's weights move to a memory-mapped file before the next model is built, so
+    the run needs memory for the larger model rather than both; ``both`` keeps them in memory; ``auto``:
+    ``one`` when the reference takes over a quarter of the available memory."""
     output_dir: str | None = None
     """Where traces and reports go; default: Hydra's run directory."""
 

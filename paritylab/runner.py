@@ -11,6 +11,7 @@ import copy
 import math
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ from paritylab.metrics import Tolerances
 from paritylab.plots import LAYER, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
+from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.sweep import sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
@@ -51,6 +53,8 @@ from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, fl
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+RESIDENT_DIR = ".resident"
+"""Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -121,6 +125,7 @@ class _Session:
             self.echo(f"paritylab: error: {error}")
         if self.report is not None and self.report.errors:
             status, code = "FAILED", EXIT_ERROR
+        shutil.rmtree(self.directory / RESIDENT_DIR, ignore_errors=True)  # mapped weights stay valid until unmapped
         try:
             self._finish_tracking(status, error)
         except Exception as failure:  # idem: the results are on disk whatever happens here
@@ -164,10 +169,15 @@ class _Session:
         inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
         ref_trace = self._trace("reference", reference, inputs)
+        one_resident = self._one_resident(reference)
+        if one_resident:
+            self._offload("reference", reference)
         candidate = build_candidate(cfg.candidate, cfg.model.family, reference)
         candidate.model.to(self.device)
         self._note_weights(candidate)
         cand_trace = self._trace("candidate", candidate.model, inputs)
+        if one_resident:
+            self._offload("candidate", candidate.model)
         floors = self._noise_floor(reference, candidate.model, inputs)
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
@@ -179,7 +189,7 @@ class _Session:
         self.report = report
         self._write_report()
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
-            self._replay(candidate.model, inputs, ref_trace, cand_trace, tolerances)
+            self._replay(candidate.model.to(self.device), inputs, ref_trace, cand_trace, tolerances)
         self._write_report()
         self.echo(to_console(report))
         return EXIT_PASS if report.passed else (EXIT_ERROR if report.errors else EXIT_FAIL)
@@ -217,6 +227,20 @@ class _Session:
             self.notes.append(f"{side}: {len(untraced)} selected modules were never called")
         return trace
 
+    def _one_resident(self, reference: nn.Module) -> bool:
+        mode = str(self.cfg.resident)
+        if mode != "auto":
+            return mode == "one"
+        available = available_memory(self.device)
+        return available is not None and model_bytes(reference) > available / 4
+
+    def _offload(self, side: str, model: nn.Module) -> None:
+        """resident=one: move ``model``'s weights to a mapped file (deleted when the run ends)."""
+        self.echo(f"paritylab: moving the {side}'s weights to a memory-mapped file (resident=one)")
+        moved = offload(getattr(model, "_orig_mod", model), self.directory / RESIDENT_DIR / side)
+        release_freed_memory()
+        self.notes.append(f"resident=one: {side} weights ({moved / 2**20:.1f} MiB) memory-mapped after tracing")
+
     def _compare_partial(self, side: str, error: Exception) -> None:
         """A forward raised: compare what both sides produced so far, so the report names the module."""
         try:
@@ -251,7 +275,7 @@ class _Session:
         self.echo(f"paritylab: estimating the noise floor (float64 vs {str(low).removeprefix('torch.')})")
         traces = []
         for name, dtype in (("noise-float64", torch.float64), ("noise-low", low)):
-            model = copy.deepcopy(reference).to(dtype)
+            model = copy.deepcopy(reference).to(device=self.device, dtype=dtype)
             with Tracer(model, self.directory / name, TraceOptions(save_tensors=True, capture=None)):
                 model(**_cast_floats(inputs, dtype))
             traces.append(Trace.load(self.directory / name))
