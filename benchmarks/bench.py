@@ -1,12 +1,14 @@
 """paritylab benchmark on llava-bench: tracing, storage, comparison and logging against a plain forward and
 transformers' debugger, measured in one run, interleaved, median of several repetitions after a warm-up.
 
-    python benchmarks/bench.py [--reps 7] [--device cpu|cuda] [--output benchmarks/results.json] [--quick]
+    python benchmarks/bench.py [--reps 11] [--device cpu|cuda] [--attention sdpa|eager] [--quick]
 
 llava-bench: transformers LlavaForConditionalGeneration, random init, CLIP vision tower and Llama text
 model with hidden size 512, 8 + 8 layers, 8 heads, a 224x224 image with patch 14 (256 image tokens)
-plus 64 text tokens, fp32. Peak memory is measured in fresh subprocesses (one per mode), since a
-process's peak RSS only ever grows.
+plus 64 text tokens, fp32, transformers' default attention (sdpa; ``--attention eager`` also stores the
+attention probabilities every eager attention module returns). Ratios are medians of per-round ratios
+(each round runs every mode back to back, so slow phases of a noisy machine cancel). Peak memory is
+measured in fresh subprocesses (one per mode), since a process's peak RSS only ever grows.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ from paritylab.references import llava  # noqa: E402
 TEXT_TOKENS = 64
 
 
-def llava_bench(device: str = "cpu", quick: bool = False) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+BENCH_SIZE = dict(hidden_size=512, layers=8, heads=8, image_size=224, patch_size=14, vocab_size=32064)
+QUICK_SIZE = dict(hidden_size=128, layers=2, heads=4, image_size=56)
+
+
+def llava_bench(
+    device: str = "cpu", quick: bool = False, attention: str = "sdpa"
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The benchmark model and its inputs (``quick``: a smaller model for a smoke run)."""
-    size = dict(hidden_size=128, layers=2, heads=4, image_size=56) if quick else {}
-    params = dict(hidden_size=512, layers=8, heads=8, image_size=224, patch_size=14, vocab_size=32064)
-    params.update(size)
-    model = llava(**params, intermediate_size=None, attn_implementation="eager").to(device)
+    params = {**BENCH_SIZE, **(QUICK_SIZE if quick else {})}
+    model = llava(**params, intermediate_size=None, attn_implementation=attention).to(device)
     config = model.config
     image_tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
     generator = torch.Generator().manual_seed(0)
@@ -88,7 +94,8 @@ def _sync(device: str) -> None:
 
 
 def time_modes(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reps: int, device: str) -> dict[str, Any]:
-    """Median seconds per mode, interleaved (plain, stats, full, debugger, plain, ...) after a warm-up."""
+    """Median seconds per mode and median per-round ratio to the plain forward, interleaved (plain, stats,
+    full, debugger, plain, ...) after a warm-up round."""
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-bench-"))
     times: dict[str, list[float]] = {name: [] for name in MODES}
     written: dict[str, dict[str, int]] = {}
@@ -108,7 +115,12 @@ def time_modes(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reps: in
                 shutil.rmtree(directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"seconds": {name: statistics.median(values) for name, values in times.items()}, "written": written}
+    ratios = {
+        name: statistics.median(value / plain for value, plain in zip(values, times["plain"], strict=True))
+        for name, values in times.items()
+    }
+    seconds = {name: statistics.median(values) for name, values in times.items()}
+    return {"seconds": seconds, "ratio_to_plain": ratios, "written": written}
 
 
 def _footprint(directory: Path) -> dict[str, int]:
@@ -120,7 +132,7 @@ PEAK_PROBE = """
 import gc, pathlib, sys, tempfile
 sys.path.insert(0, {repo!r})
 from benchmarks.bench import llava_bench, MODES
-model, inputs = llava_bench({device!r}, {quick!r})
+model, inputs = llava_bench({device!r}, {quick!r}, {attention!r})
 MODES["plain"](model, inputs, pathlib.Path(tempfile.mkdtemp()))  # warm-up: allocator caches, lazy imports
 gc.collect()
 status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
@@ -131,9 +143,9 @@ print(before, status("VmHWM:"))
 """
 
 
-def peak_memory(mode: str, device: str, quick: bool) -> float:
+def peak_memory(mode: str, device: str, quick: bool, attention: str) -> float:
     """Peak RSS growth (MB) of one ``mode`` forward in a fresh process, model already built and warmed up."""
-    code = PEAK_PROBE.format(repo=str(REPOSITORY), device=device, quick=quick, mode=mode)
+    code = PEAK_PROBE.format(repo=str(REPOSITORY), device=device, quick=quick, mode=mode, attention=attention)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True)
     before, peak = (int(value) for value in result.stdout.split()[-2:])
     return (peak - before) / 1024
@@ -205,39 +217,76 @@ def default_run_wall() -> float:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+RESIDENT_RUN = [
+    "model=llava", "candidate=port", "compare.replay=false", "tracking=off", "inputs.prompt_length=64",
+    *(f"model.build.{key}={value}" for key, value in BENCH_SIZE.items()), "+model.build.intermediate_size=null",
+]  # fmt: skip
+
+
+def resident_peaks(device: str) -> dict[str, float]:
+    """Peak anonymous memory (MB, sampled every 5 ms) of a llava-bench parity run with resident=both and one."""
+    peaks = {}
+    for mode in ("both", "one"):
+        scratch = Path(tempfile.mkdtemp(prefix="paritylab-resident-"))
+        try:
+            command = [sys.executable, "-m", "paritylab", *RESIDENT_RUN, f"resident={mode}", f"device={device}"]
+            process = subprocess.Popen(command, cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            peak = 0
+            while process.poll() is None:
+                peak = max(peak, _anonymous_kb(process.pid))
+                time.sleep(0.005)
+            if process.returncode != 0:
+                raise RuntimeError(f"resident={mode} run exited {process.returncode}: {' '.join(command)}")
+            peaks[mode] = peak / 1024
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return peaks
+
+
+def _anonymous_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return next((int(line.split()[1]) for line in status if line.startswith("RssAnon:")), 0)
+    except (OSError, ValueError):
+        return 0  # the process just ended
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=REPOSITORY / "benchmarks" / "results.json")
     parser.add_argument("--quick", action="store_true", help="a small model and few repetitions (smoke test)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     torch.manual_seed(0)
-    model, inputs = llava_bench(args.device, args.quick)
+    model, inputs = llava_bench(args.device, args.quick, args.attention)
     timing = time_modes(model, inputs, args.reps, args.device)
     seconds = timing["seconds"]
-    base = seconds["plain"]
     results: dict[str, Any] = {
         "device": args.device,
+        "attention": args.attention,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "reps": args.reps,
         "seconds": seconds,
-        "ratio_to_plain": {name: value / base for name, value in seconds.items()},
+        "ratio_to_plain": timing["ratio_to_plain"],
         "full_vs_hf_debugger_time": seconds["full"] / seconds["hf_debugger"],
         "written": timing["written"],
         "bytes_full_vs_hf": timing["written"]["full"]["bytes"] / max(1, timing["written"]["hf_debugger"]["bytes"]),
     }
     if not args.skip_memory:
-        peaks = {name: peak_memory(name, args.device, args.quick) for name in MODES}
+        peaks = {name: peak_memory(name, args.device, args.quick, args.attention) for name in MODES}
         results["forward_peak_growth_mb"] = peaks
         results["extra_peak_mb"] = {name: peaks[name] - peaks["plain"] for name in MODES}
     results["comparison"], report = comparison_throughput(model, inputs)
     results["logging"] = logging_time(report)
     results["default_run_seconds"] = default_run_wall()
+    if not args.skip_memory and not args.quick:
+        results["resident_peak_anon_mb"] = resident_peaks(args.device)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     print(render(results))
@@ -247,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     ratio, seconds, written = results["ratio_to_plain"], results["seconds"], results["written"]
     lines = [
-        f"llava-bench on {results['device']} ({results['threads']} threads), median of {results['reps']} reps",
+        f"llava-bench ({results['attention']} attention) on {results['device']} ({results['threads']} threads), "
+        f"median of {results['reps']} interleaved rounds",
         f"  plain forward             {seconds['plain'] * 1000:8.1f} ms   1.00x",
         f"  paritylab stats only      {seconds['stats'] * 1000:8.1f} ms   {ratio['stats']:.2f}x  (target <= 1.15x)",
         f"  paritylab full capture    {seconds['full'] * 1000:8.1f} ms   {ratio['full']:.2f}x  (target <= 1.4x)",
@@ -273,6 +323,12 @@ def render(results: dict[str, Any]) -> str:
         "(target <= 1.5)"
     )
     lines.append(f"  default parity run: {results['default_run_seconds']:.1f} s wall (target <= 15)")
+    if "resident_peak_anon_mb" in results:
+        resident = results["resident_peak_anon_mb"]
+        lines.append(
+            f"  llava-bench parity run, peak anonymous memory: resident=both {resident['both']:.0f} MB, "
+            f"resident=one {resident['one']:.0f} MB"
+        )
     return "\n".join(lines)
 
 

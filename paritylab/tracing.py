@@ -8,6 +8,7 @@ traced forward is bit-identical to an untraced one.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import platform
 import sys
 import time
@@ -101,6 +102,7 @@ class Tracer:
         self._raised_at: str | None = None
         self._hook_error: str | None = None
         self._selected: list[str] = []
+        self._inplace: set[str] = set()
         self._started = 0.0
 
     # -- context management ------------------------------------------------------------------------------
@@ -135,6 +137,8 @@ class Tracer:
             if isinstance(module, _CONTAINERS) or not self.options.selects(path):
                 continue
             self._selected.append(path)
+            if getattr(module, "inplace", False) is True:  # ReLU(inplace=True) and the like
+                self._inplace.add(path)
             matching = [spec for spec in specs if spec.matches(path, module)]
             if matching:
                 self._captures[path] = matching
@@ -180,7 +184,7 @@ class Tracer:
         )
         if self.options.inputs:
             record.inputs = encode({"args": args, "kwargs": kwargs}, self._encode_tensor)
-        if self._store is not None and getattr(module, "inplace", False) is True:
+        if self._store is not None and path in self._inplace:
             for tensor in (*args, *kwargs.values()):
                 if isinstance(tensor, torch.Tensor):
                     self._store.protect(tensor)
@@ -208,8 +212,8 @@ class Tracer:
         node: Node = {
             "t": "tensor",
             "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-            "device": str(tensor.device),
+            "dtype": _dtype_name(tensor.dtype),
+            "device": _device_name(tensor.device),
         }
         seen = self._lookup(tensor)
         if seen is None:
@@ -370,6 +374,16 @@ def trace(
     ``save_tensors=True``, the tensor shards, even when the forward raises.
     """
     return Tracer(model, directory, TraceOptions(**options))
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return str(device)
 
 
 def _slot(output: Any, index: int | str | None) -> str:

@@ -26,6 +26,7 @@ TensorEncoder = Callable[[torch.Tensor], Node]
 
 _ADDRESS = re.compile(r" at 0x[0-9A-Fa-f]+")
 _MAX_REPR = 200
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN = (torch.dtype, torch.device, torch.Size, enum.Enum, slice, range)
 
 
@@ -43,6 +44,8 @@ def stable_repr(value: object) -> str:
 
 def _local_tensor(value: object) -> torch.Tensor | None:
     """The tensor behind ``value``: itself, or a DTensor's local shard."""
+    if type(value) in _PLAIN_TENSORS:  # the common case, without an attribute lookup
+        return value  # type: ignore[return-value]
     if isinstance(value, torch.Tensor):
         local = getattr(value, "_local_tensor", None)
         return local if isinstance(local, torch.Tensor) else value
