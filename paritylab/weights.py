@@ -136,14 +136,34 @@ def weight_parity(
             result.shape_errors.append(f"{name}: missing reference {[n for n in names if n not in reference_state]}")
             continue
         used.update(names)
-        expected = torch.cat([reference_state[n] for n in names], dim=0)
+        parts = [reference_state[n] for n in names]
+        expected = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if expected.shape != value.shape:
             result.shape_errors.append(f"{name}: {tuple(value.shape)} vs reference {tuple(expected.shape)}")
             continue
         result.compared += 1
         expected = expected.to(device=value.device, dtype=value.dtype)  # parity at the candidate's precision
-        difference = (value.double() - expected.double()).abs().max().item() if value.numel() else 0.0
+        difference = max_abs_difference(value, expected)
         if not difference <= atol or math.isnan(difference):
             result.mismatched.append((name, difference))
     result.unused_reference = [n for n in reference_state if n not in used]
     return result
+
+
+_CHUNK = 1 << 20
+
+
+def max_abs_difference(first: torch.Tensor, second: torch.Tensor) -> float:
+    """Largest ``|first - second|`` in float64 (NaN if a NaN is involved), a chunk at a time: no
+    full-size float64 copies of a large embedding."""
+    if torch.equal(first, second):
+        return 0.0
+    first, second = first.reshape(-1), second.reshape(-1)
+    worst = 0.0
+    for start in range(0, first.numel(), _CHUNK):
+        end = start + _CHUNK
+        difference = (first[start:end].double() - second[start:end].double()).abs().max().item()
+        if math.isnan(difference):
+            return difference
+        worst = max(worst, difference)
+    return worst

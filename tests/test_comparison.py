@@ -202,6 +202,19 @@ def test_weight_parity_reports_mismatches_and_unmapped(tmp_path):
     assert "mm_projector.0.weight" in weight_parity(port, reference, partial).unmapped_candidate
 
 
+def test_max_abs_difference_spans_chunks_and_keeps_nan():
+    from paritylab.weights import max_abs_difference
+
+    first = torch.zeros(3 << 20)
+    second = first.clone()
+    assert max_abs_difference(first, second) == 0.0
+    second[(5 << 20) // 2] = -0.5  # in the third chunk
+    second[7] = 0.25
+    assert max_abs_difference(first, second) == 0.5
+    second[-1] = float("nan")
+    assert math.isnan(max_abs_difference(first, second))
+
+
 class Shapes(nn.Module):
     def __init__(self, out: int, extra: bool = False) -> None:
         super().__init__()
