@@ -237,7 +237,11 @@ class _Session:
     def _offload(self, side: str, model: nn.Module) -> None:
         """resident=one: move ``model``'s weights to a mapped file (deleted when the run ends)."""
         self.echo(f"paritylab: moving the {side}'s weights to a memory-mapped file (resident=one)")
-        moved = offload(getattr(model, "_orig_mod", model), self.directory / RESIDENT_DIR / side)
+        try:
+            moved = offload(getattr(model, "_orig_mod", model), self.directory / RESIDENT_DIR / side)
+        except OSError as error:  # only memory is at stake: run on with the model resident
+            self.notes.append(f"resident=one: {side} weights kept in memory: {error}")
+            return
         release_freed_memory()
         self.notes.append(f"resident=one: {side} weights ({moved / 2**20:.1f} MiB) memory-mapped after tracing")
 

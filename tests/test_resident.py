@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +106,19 @@ def test_resident_one_maps_the_reference_before_the_candidate_and_changes_no_res
     notes = client.get_run(one.run_id).data.tags["mlflow.note.content"]
     assert "resident=one: reference weights" in notes and "resident=one: candidate weights" in notes
     assert not (one.directory / ".resident").exists()
+
+
+def test_offload_on_a_full_disk_raises_and_leaves_the_model_untouched(tmp_path, monkeypatch):
+    import errno
+
+    import paritylab.storage as storage
+
+    def full_disk(handle, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = Tied()
+    weight = model.embed.weight
+    monkeypatch.setattr(storage, "_write_all", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        offload(model, tmp_path)
+    assert model.embed.weight is weight and mapped_file(weight) is None
