@@ -14,6 +14,7 @@ from torch import nn
 
 from paritylab.alignment import Rule, load_rules
 from paritylab.config import ConfigError, resolve_target
+from paritylab.resident import converted_copy
 from paritylab.weights import WeightParity, load_weight_map, weight_parity
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candi
         return _port(cfg, family, reference)
     if kind == "dtype":
         dtype = getattr(torch, str(cfg.dtype))
-        return Candidate(copy.deepcopy(reference).to(dtype))
+        return Candidate(converted_copy(reference, dtype))
     if kind == "attention":
         return Candidate(_with_attention(reference, str(cfg.attn_implementation)))
     if kind == "compiled":

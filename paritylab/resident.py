@@ -11,10 +11,12 @@ fit next to the next model. A parity run therefore needs memory for the larger m
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import gc
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,3 +124,18 @@ def release_freed_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator decides
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def converted_copy(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Module:
+    """``copy.deepcopy(model).to(device, dtype)`` without the intermediate full-precision copy: floating-point
+    parameters and buffers are converted straight from the original, so peak memory is the converted model."""
+    memo: dict[int, Any] = {}
+    for tensor, places in tensor_slots(model).values():
+        if all(slot.kind == "attribute" for slot in places):
+            continue  # like Module.to: plain tensor attributes are copied as they are
+        target = dtype if tensor.is_floating_point() else tensor.dtype
+        converted = tensor.detach().to(device=device or tensor.device, dtype=target, copy=True)
+        if isinstance(tensor, nn.Parameter):
+            converted = nn.Parameter(converted, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = converted
+    return copy.deepcopy(model, memo)

@@ -7,7 +7,6 @@ KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an err
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import platform
@@ -45,7 +44,7 @@ from paritylab.metrics import Tolerances
 from paritylab.plots import LAYER, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
-from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
+from paritylab.resident import available_memory, converted_copy, model_bytes, offload, release_freed_memory
 from paritylab.sweep import sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
@@ -279,7 +278,7 @@ class _Session:
         self.echo(f"paritylab: estimating the noise floor (float64 vs {str(low).removeprefix('torch.')})")
         traces = []
         for name, dtype in (("noise-float64", torch.float64), ("noise-low", low)):
-            model = copy.deepcopy(reference).to(device=self.device, dtype=dtype)
+            model = converted_copy(reference, dtype, self.device)
             with Tracer(model, self.directory / name, TraceOptions(save_tensors=True, capture=None)):
                 model(**_cast_floats(inputs, dtype))
             traces.append(Trace.load(self.directory / name))

@@ -42,7 +42,8 @@ class Tied(nn.Module):
         self.scale = torch.full((16,), 0.5, dtype=torch.float64)  # a plain tensor attribute
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(self.embed(ids)) * self.mask * self.scale.float()
+        hidden = self.norm(self.embed(ids)) * self.mask
+        hidden = hidden * self.scale.to(hidden.dtype)
         return self.head(hidden)
 
 
@@ -122,3 +123,20 @@ def test_offload_on_a_full_disk_raises_and_leaves_the_model_untouched(tmp_path, 
     with pytest.raises(OSError, match="No space left on device"):
         offload(model, tmp_path)
     assert model.embed.weight is weight and mapped_file(weight) is None
+
+
+def test_converted_copy_equals_deepcopy_then_cast_and_keeps_ties():
+    import copy
+
+    from paritylab.resident import converted_copy
+
+    torch.manual_seed(0)
+    model = Tied().eval()
+    ids = torch.arange(10).unsqueeze(0)
+    converted = converted_copy(model, torch.bfloat16)
+    assert torch.equal(converted(ids.clone()), copy.deepcopy(model).to(torch.bfloat16)(ids))
+    assert converted.head.weight is converted.embed.weight and converted.embed.weight.dtype == torch.bfloat16
+    assert converted.mask.dtype == torch.bool and converted.norm.weight.requires_grad is False
+    assert converted.embed.weight.data_ptr() != model.embed.weight.data_ptr()
+    assert model.embed.weight.dtype == torch.float32  # the original is untouched
+    assert converted.scale.dtype == torch.float64 and converted.scale is not model.scale  # attributes: as Module.to
