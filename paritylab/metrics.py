@@ -114,6 +114,8 @@ def divergence(reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tole
     """
     r = reference.detach().reshape(-1)
     c = candidate.detach().to(r.device).reshape(-1)
+    if c.dtype == torch.bool:  # subtraction is not defined on bool
+        c = c.to(torch.uint8)
     sums = _accumulate(r, c, tolerance)
     nan_mismatch = inf_mismatch = 0
     if not all(math.isfinite(value) for value in sums[:6]):
@@ -152,26 +154,32 @@ def _buffer(name: str, size: int, device: torch.device, dtype: torch.dtype = tor
 
 
 def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple[float, ...]:
-    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance), in float64."""
+    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance), in float64.
+
+    ``‖c‖²`` and ``r·c`` come from ``‖r‖²``, ``r·d`` and ``‖d‖²`` (``c = r + d``): one pass fewer, and
+    exact enough in float64 since ``d`` is small wherever it matters.
+    """
     device = r.device
     step = _CHUNK if device.type == "cpu" else max(1, r.numel())
     totals = [0.0] * 7
     for start in range(0, r.numel(), step):
         size = min(step, r.numel() - start)
         r64 = _buffer("r", size, device)
-        c64 = _buffer("c", size, device)
         r64.copy_(r[start : start + size])
-        c64.copy_(c[start : start + size])
-        diff = torch.sub(c64, r64, out=_buffer("d", size, device))
+        diff = torch.sub(c[start : start + size], r64, out=_buffer("d", size, device))  # promoted to float64
         bound = torch.abs(r64, out=_buffer("t", size, device)).mul_(tolerance.rtol).add_(tolerance.atol)
-        parts = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(c64, c64), torch.dot(r64, c64)])
+        dots = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(r64, diff)])
         diff.abs_()
         outside = torch.gt(diff, bound, out=_buffer("g", size, device, torch.bool))
         summary = torch.stack([diff.max(), diff.sum(), torch.count_nonzero(outside).to(torch.float64)])
-        values = torch.cat([parts, summary]).tolist()
-        for index in (0, 1, 2, 3, 5, 6):
-            totals[index] += values[index]
-        totals[4] = max(totals[4], values[4]) if math.isfinite(values[4]) else values[4]
+        err2, ref2, ref_diff, max_abs, sum_abs, count = torch.cat([dots, summary]).tolist()
+        totals[0] += err2
+        totals[1] += ref2
+        totals[2] += ref2 + 2 * ref_diff + err2
+        totals[3] += ref2 + ref_diff
+        totals[4] = max(totals[4], max_abs) if math.isfinite(max_abs) else max_abs
+        totals[5] += sum_abs
+        totals[6] += count
     return tuple(totals)
 
 

@@ -250,6 +250,21 @@ def test_nan_mismatch_fails_and_metrics_stay_finite():
     assert metrics["max_abs"] == 0 and math.isfinite(metrics["rel_l2"])
 
 
+def test_divergence_values_across_chunks_dtypes_and_bools():
+    torch.manual_seed(0)
+    reference = torch.randn(600_000, dtype=torch.float64)  # three chunks
+    candidate = reference + 1e-3 * torch.randn_like(reference)
+    metrics = divergence(reference.float(), candidate.float(), Tolerance(1e-5, 1e-5))
+    r, c = reference.float().double(), candidate.float().double()
+    assert metrics["rel_l2"] == pytest.approx(((c - r).norm() / r.norm()).item(), rel=1e-9)
+    assert metrics["cosine"] == pytest.approx(torch.nn.functional.cosine_similarity(r, c, dim=0).item(), abs=1e-12)
+    assert metrics["max_abs"] == pytest.approx((c - r).abs().max().item(), rel=1e-12)
+    mixed = divergence(reference.float(), reference.bfloat16(), Tolerance(1e-2, 1e-5))
+    assert 0 < mixed["rel_l2"] < 4e-3 and within(mixed)
+    masks = divergence(torch.tensor([True, False, True]), torch.tensor([True, True, True]), Tolerance(0, 0))
+    assert masks["max_abs"] == 1 and masks["frac_outside"] == pytest.approx(1 / 3)
+
+
 def test_first_nonfinite_module_is_reported(tmp_path):
     x = torch.randn(2, 4)
     torch.manual_seed(0)
