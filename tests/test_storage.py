@@ -211,3 +211,18 @@ def test_tensor_changed_in_place_before_its_write_is_not_stored_wrong(tmp_path, 
     assert store.files == {"a": "tensors-00000.safetensors"}
     assert store.skipped == {"b": "modified in place before it was written"}
     assert load_file(tmp_path / "tensors-00000.safetensors")["a"].tolist() == [1.0] * 4
+
+
+def test_host_copy_path_for_device_tensors_writes_the_same_bytes(tmp_path):
+    """The accelerator path (asynchronous copy into host memory, written by the writer thread) on CPU."""
+    from paritylab.storage import _device_to_host
+
+    tensors = {f"x{i}": torch.randn(64, 33) * i for i in range(5)}
+    store = TensorStore(tmp_path, pending_bytes=1 << 20)
+    for name, tensor in tensors.items():
+        pending = _device_to_host(tensor, name)
+        assert pending.data.data_ptr() != tensor.data_ptr() and pending.ready is None
+        store._enqueue(pending)
+    store.close()
+    loaded = load_file(tmp_path / store.files["x0"])
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())

@@ -348,3 +348,18 @@ def test_round_trip_save_load(tmp_path):
     index = json.loads((tmp_path / "tensors.index.json").read_text())
     ref = index["slot_map"]["heads.b#0/outputs"]
     assert index["tensor_map"][ref] == "tensors-00000.safetensors"
+
+
+def test_device_stats_path_agrees_with_the_cpu_path():
+    """The accelerator path (stats kept on the device, fetched once per batch) run on CPU tensors."""
+    from paritylab.stats import StatsBatch, cpu_stats, device_stats, stats_dict
+
+    torch.manual_seed(0)
+    finite = torch.randn(3, 1000) * 5 + 2
+    batch = StatsBatch()
+    batch._rows.extend([device_stats(finite), device_stats(torch.tensor([1.0, float("nan"), float("inf")]))])
+    resolved = batch.resolve()
+    expected = stats_dict(cpu_stats(finite))
+    assert resolved[0] == pytest.approx(expected, rel=1e-6)
+    assert resolved[1]["nan"] == 1 and resolved[1]["inf"] == 1  # counted on the device; NaN propagates
+    assert resolved[1]["mean"] is None
