@@ -140,3 +140,15 @@ def test_converted_copy_equals_deepcopy_then_cast_and_keeps_ties():
     assert converted.embed.weight.data_ptr() != model.embed.weight.data_ptr()
     assert model.embed.weight.dtype == torch.float32  # the original is untouched
     assert converted.scale.dtype == torch.float64 and converted.scale is not model.scale  # attributes: as Module.to
+
+
+def test_run_goes_on_with_the_model_in_memory_when_its_weights_cannot_be_moved(tmp_path, monkeypatch):
+    import paritylab.runner
+
+    def full_disk(model, directory):
+        raise OSError(f"could not move the model's weights to {directory}: disk error: No space left on device")
+
+    monkeypatch.setattr(paritylab.runner, "offload", full_disk)
+    result, _ = run_with(tmp_path, "resident=one", "compare.replay=false")
+    assert result.exit_code == 0 and result.report.passed
+    assert any(n.startswith("resident=one: reference weights kept in memory: could not move") for n in result.notes)
