@@ -133,6 +133,8 @@ class Tracer:
         self._finish(error)
 
     def _register(self, specs: list[CaptureSpec]) -> None:
+        handles: list[Any] = []
+        self._exit.callback(_remove_all, handles)
         for path, module in self.model.named_modules():
             if isinstance(module, _CONTAINERS) or not self.options.selects(path):
                 continue
@@ -145,10 +147,8 @@ class Tracer:
             pre_hook, post_hook = self._pre_hook(path), self._post_hook(path)
             if self.compiled:  # graph-break at each traced module rather than compiling the tracer
                 pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
-            pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-            self._exit.callback(pre.remove)
-            post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
-            self._exit.callback(post.remove)
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
 
     # -- hooks (the hot path) ----------------------------------------------------------------------------
 
@@ -374,6 +374,11 @@ def trace(
     ``save_tensors=True``, the tensor shards, even when the forward raises.
     """
     return Tracer(model, directory, TraceOptions(**options))
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 @functools.cache
