@@ -40,7 +40,7 @@ def offload(model: nn.Module, directory: str | os.PathLike[str]) -> int:
     """Move ``model``'s tensors to safetensors shards in ``directory`` and map them back in place.
 
     Tensors shared between modules (tied embeddings) stay shared; parameters keep ``requires_grad``.
-    Tensors safetensors cannot hold (complex, quantized, sparse) stay in memory. The model ends up on
+    Tensors safetensors cannot hold (complex, sparse) and tensor subclasses stay in memory. The model ends up on
     the CPU. Returns the number of bytes moved out of process memory.
     """
     slots = tensor_slots(model)
@@ -93,7 +93,9 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def _storable(tensor: torch.Tensor) -> bool:
-    return tensor.layout == torch.strided and not tensor.is_meta and tensor.dtype in SAFETENSORS_DTYPES
+    """Plain dense tensors only: subclasses (quantized parameters, DTensors) carry state a map would lose."""
+    plain = type(tensor) in (torch.Tensor, nn.Parameter)
+    return plain and tensor.layout == torch.strided and not tensor.is_meta and tensor.dtype in SAFETENSORS_DTYPES
 
 
 def _assign(slot: Slot, tensor: torch.Tensor) -> None:

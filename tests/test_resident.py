@@ -68,6 +68,19 @@ def test_offload_maps_every_tensor_and_keeps_ties_flags_and_outputs(tmp_path):
     assert torch.equal(load_file(tmp_path / "weights-00000.safetensors")["norm.bias"], before.new_zeros(16))
 
 
+def test_offload_leaves_tensor_subclasses_and_complex_tensors_in_memory(tmp_path):
+    class Tagged(nn.Parameter):
+        """A parameter subclass carrying state, as quantized parameters do."""
+
+    model = nn.Linear(4, 4)
+    model.weight = Tagged(model.weight.detach().clone())
+    model.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+    weight, phase = model.weight, model.phase
+    assert offload(model, tmp_path) == 4 * 4  # the bias alone
+    assert model.weight is weight and model.phase is phase
+    assert mapped_file(model.bias) is not None and mapped_file(model.weight) is None
+
+
 def test_offload_returns_the_weights_memory_to_the_os(tmp_path):
     probe = textwrap.dedent(f"""
         import torch
