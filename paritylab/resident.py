@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.storage import SAFETENSORS_DTYPES, TensorReader, TensorStore
+from paritylab.storage import TensorReader, TensorStore
 
 WEIGHTS_PREFIX = "weights"
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+"""Only these are moved: subclasses (quantized parameters, DTensors) carry state a mapping would lose."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +46,13 @@ def offload(model: nn.Module, directory: str | os.PathLike[str]) -> int:
     the CPU. Returns the number of bytes moved out of process memory.
     """
     slots = tensor_slots(model)
-    tensors = {key: tensor for key, (tensor, _) in slots.items()}
     # widest dtypes first: every tensor then starts at an offset aligned for its dtype (zero-copy maps)
-    order = sorted(tensors, key=lambda key: -tensors[key].element_size())
+    order = sorted(slots, key=lambda key: -slots[key][0].element_size())
     store = TensorStore(directory, prefix=WEIGHTS_PREFIX, pending_bytes=0, metadata={"producer": "paritylab"})
     try:
         for key in order:
-            if _storable(tensors[key]):
-                store.put(tensors[key], key)
+            if type(slots[key][0]) in _PLAIN_TYPES:  # the store itself refuses what safetensors cannot hold
+                store.put(slots[key][0], key)
     finally:
         store.close()
     if store.failure is not None:
@@ -90,12 +91,6 @@ def tensor_slots(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[Slot]]]
 def model_bytes(model: nn.Module) -> int:
     """Bytes of all distinct tensors ``model`` holds."""
     return sum(t.numel() * t.element_size() for t, _ in tensor_slots(model).values())
-
-
-def _storable(tensor: torch.Tensor) -> bool:
-    """Plain dense tensors only: subclasses (quantized parameters, DTensors) carry state a map would lose."""
-    plain = type(tensor) in (torch.Tensor, nn.Parameter)
-    return plain and tensor.layout == torch.strided and not tensor.is_meta and tensor.dtype in SAFETENSORS_DTYPES
 
 
 def _assign(slot: Slot, tensor: torch.Tensor) -> None:

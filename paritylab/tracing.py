@@ -310,7 +310,7 @@ class Tracer:
             "seed": str(torch.initial_seed()),
         }
         if self.options.save_dtype is not None:
-            provenance["saved_dtype"] = str(self.options.save_dtype).removeprefix("torch.")
+            provenance["saved_dtype"] = _dtype_name(self.options.save_dtype)
         provenance.update({str(k): str(v) for k, v in self.options.metadata.items()})
         return provenance
 
