@@ -147,6 +147,7 @@ def test_port_of_a_model_without_one_lists_what_exists(tmp_path):
         ("compare.rtol=abc", "compare.rtol"),
         ("model.build._target_=nowhere.build", "cannot import 'nowhere'"),
         ("+model.build.hidden_sise=8", "hidden_sise"),
+        ("resident=two", "expected one of [auto, both, one]"),
     ],
 )
 def test_bad_configuration_is_one_line_and_exit_2(tmp_path, override, expected):
