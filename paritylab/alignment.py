@@ -19,21 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.patterns import compile_pattern, fill
-from paritylab.tracefile import CallRecord, Trace, as_float
+from paritylab.structure import ModulePrint, prints_from_meta
+from paritylab.tracefile import CallRecord, Trace
 from paritylab.values import Node, first_tensor_slot, iter_tensors
 
 Index = int | str | None
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
 _TOKEN = re.compile(r"[a-z]+|\d+")
 MIN_AUTO_SCORE = 0.3
+"""Between anchors, calls of equal output shape pair with at least this score (more with name evidence)."""
 MIN_STRUCTURE = 0.3
-"""Automatic pairs need this much structural evidence (names, layer numbers), or ..."""
-SAME_STATS = 0.9
-"""... output statistics at least this similar (1 = identical): shape alone is never enough."""
+"""Name evidence needed to pair two modules whose parameters differ."""
 RESCUE_SCORE = 0.75
-RESCUE_STATS = 0.99
-"""Out-of-order matches (a port that runs two branches in the other order) need this much similarity,
-or output statistics this close to identical."""
+"""Out-of-order matches (a port that runs two branches in the other order) need this much name evidence."""
+MAX_RESCUE = 64
+"""Out-of-order candidates examined per reference call (same output shape)."""
+MAX_CELLS = 250_000
+BAND = 256
+"""Segments between anchors larger than ``MAX_CELLS`` cells are aligned within ``BAND`` of the diagonal."""
 
 
 class AlignmentError(ValueError):
@@ -42,12 +45,29 @@ class AlignmentError(ValueError):
 
 @dataclass(frozen=True)
 class Part:
-    """Part of the last dimension: ``[start, stop)``, or the ``index``-th of ``count`` equal chunks."""
+    """Part of the last dimension: ``[start, stop)``, the ``index``-th of ``count`` equal chunks, or the
+    positions ``indices`` (a fused projection whose parts are interleaved, e.g. grouped-query qkv)."""
 
     start: int = 0
     stop: int | None = None
     index: int | None = None
     count: int | None = None
+    indices: tuple[int, ...] | None = None
+
+    def select(self, value: Any) -> Any:
+        """The part of ``value`` (a tensor) along its last dimension."""
+        if self.indices is not None:
+            import torch
+
+            return value.index_select(-1, torch.tensor(self.indices, device=value.device))
+        start, stop = self.bounds(value.shape[-1])
+        return value[..., start:stop]
+
+    def size(self, size: int) -> int:
+        if self.indices is not None:
+            return len(self.indices)
+        start, stop = self.bounds(size)
+        return max(0, stop - start)
 
     def bounds(self, size: int) -> tuple[int, int]:
         if self.index is not None and self.count:
@@ -56,6 +76,8 @@ class Part:
         return slice(self.start, self.stop).indices(size)[:2]
 
     def to_yaml(self) -> dict[str, list[int | None]]:
+        if self.indices is not None:
+            return {"indices": list(self.indices)}
         if self.index is not None:
             return {"chunk": [self.index, self.count]}
         return {"slice": [self.start, self.stop]}
@@ -115,7 +137,7 @@ def _rule(entry: object, position: int) -> Rule:
     if not isinstance(entry, Mapping) or "reference" not in entry or "candidate" not in entry:
         raise AlignmentError(f"rule #{position} needs 'reference' and 'candidate' keys (candidate may be null)")
     known = {"reference", "candidate"} | {
-        f"{side}_{kind}" for side in ("reference", "candidate") for kind in ("index", "slice", "chunk")
+        f"{side}_{kind}" for side in ("reference", "candidate") for kind in ("index", "slice", "chunk", "indices")
     }
     unknown = set(entry) - known
     if unknown:
@@ -132,6 +154,11 @@ def _rule(entry: object, position: int) -> Rule:
 
 
 def _part(entry: Mapping[str, Any], side: str, position: int) -> Part | None:
+    indices = entry.get(f"{side}_indices")
+    if indices is not None:
+        if not isinstance(indices, list) or not all(isinstance(i, int) and i >= 0 for i in indices):
+            raise AlignmentError(f"rule #{position}: {side}_indices must be a list of non-negative integers")
+        return Part(indices=tuple(indices))
     cut, chunk = entry.get(f"{side}_slice"), entry.get(f"{side}_chunk")
     if cut is not None and chunk is not None:
         raise AlignmentError(f"rule #{position}: give {side}_slice or {side}_chunk, not both")
@@ -185,6 +212,9 @@ class Alignment:
     unmatched_candidate: list[str] = field(default_factory=list)
     ignored_reference: list[str] = field(default_factory=list)
     """Reference calls a rule left unmatched on purpose."""
+    folded_reference: list[str] = field(default_factory=list)
+    folded_candidate: list[str] = field(default_factory=list)
+    """Calls that return their own input (hook points, ``nn.Identity``, eval dropout): shown, never paired."""
 
     def by_reference(self) -> dict[str, Pair]:
         return {pair.reference: pair for pair in self.pairs}
@@ -198,29 +228,58 @@ class Alignment:
 
 
 def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Alignment:
-    """Align the calls of two traces: rules first, then identical paths, then automatic alignment."""
+    """Align the calls of two traces from evidence a numerical bug cannot change.
+
+    In order: the user's rules; parameter fingerprints (equal weights, up to layout and cast, are the same
+    module; a module whose weight rows are part of a fused one is paired with that part); identical paths
+    where fingerprints do not contradict them; then order, shape, class and names between those anchors.
+    Output statistics never decide a pair. Calls that return their own input (hook points, ``nn.Identity``,
+    eval dropout) are folded: listed, never paired.
+    """
     rules = list(rules)
     ref_calls, cand_calls = reference.calls, candidate.calls
-    cand_by_key = {call.key: call for call in cand_calls}
+    folded_ref = {i for i, call in enumerate(ref_calls) if call.identity}
+    folded_cand = {j for j, call in enumerate(cand_calls) if call.identity}
+    cand_by_key = {call.key: call for i, call in enumerate(cand_calls) if i not in folded_cand}
     cand_position = {call.key: position for position, call in enumerate(cand_calls)}
+    ref_prints, cand_prints = prints_from_meta(reference.meta), prints_from_meta(candidate.meta)
     fixed: dict[int, tuple[int, Pair]] = {}
     ignored: list[str] = []
-    taken: set[str] = set()
+    taken: set[int] = set(folded_cand)
+
+    def fix(i: int, j: int, pair: Pair) -> None:
+        fixed[i] = (j, pair)
+        if pair.candidate_part is None:
+            taken.add(j)
+
     for position, call in enumerate(ref_calls):
+        if position in folded_ref:
+            continue
         pair = _by_rule(call, rules, cand_by_key)
         if pair is None:
             ignored.append(call.key)
-            continue
-        if pair is False:
-            pair = _by_identity(call, cand_by_key)
-        shared = pair and pair.candidate_part is not None  # parts of one fused call may serve several
-        if pair and (shared or pair.candidate not in taken):
-            taken.add(pair.candidate)
-            fixed[position] = (cand_position[pair.candidate], pair)
+        elif pair is not False and cand_position[pair.candidate] not in taken:
+            fix(position, cand_position[pair.candidate], pair)
+    skipped = set(fixed) | folded_ref
+    open_ref = [i for i in range(len(ref_calls)) if i not in skipped and ref_calls[i].key not in ignored]
+    structured = bool(ref_prints and cand_prints)
+    if structured:
+        for i, j, pair in _by_fingerprint(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints):
+            fix(i, j, pair)
+        open_ref = [i for i in open_ref if i not in fixed]
+    for i in open_ref:
+        call = ref_calls[i]
+        other = cand_by_key.get(call.key)
+        if other is not None and cand_position[other.key] not in taken:
+            fix(i, cand_position[other.key], Pair(call.key, other.key, "identity"))
+    open_ref = [i for i in open_ref if i not in fixed]
+    if structured:
+        for i, j, pair in _by_parts(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints):
+            fix(i, j, pair)
     anchors = _monotone_chain(sorted((r, c) for r, (c, _) in fixed.items()))
-    skip_ref = set(fixed) | {i for i, call in enumerate(ref_calls) if call.key in ignored}
-    skip_cand = {c for c, _ in fixed.values()}
-    automatic = _align_segments(ref_calls, cand_calls, anchors, skip_ref, skip_cand)
+    skip_ref = set(fixed) | folded_ref | {i for i, call in enumerate(ref_calls) if call.key in ignored}
+    skip_cand = set(taken) | {c for c, _ in fixed.values()}
+    automatic = _align_segments(ref_calls, cand_calls, anchors, skip_ref, skip_cand, ref_prints, cand_prints)
     taken_cand = skip_cand | {cand_position[pair.candidate] for pair in automatic.values()}
     automatic |= _rescue(ref_calls, cand_calls, skip_ref | set(automatic), taken_cand)
     pairs_by_ref = {r: pair for r, (_, pair) in fixed.items()} | automatic
@@ -228,9 +287,17 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
     matched_cand = {pair.candidate for pair in pairs}
     return Alignment(
         pairs=pairs,
-        unmatched_reference=[c.key for i, c in enumerate(ref_calls) if i not in pairs_by_ref and c.key not in ignored],
-        unmatched_candidate=[c.key for c in cand_calls if c.key not in matched_cand],
+        unmatched_reference=[
+            c.key
+            for i, c in enumerate(ref_calls)
+            if i not in pairs_by_ref and c.key not in ignored and i not in folded_ref
+        ],
+        unmatched_candidate=[
+            c.key for j, c in enumerate(cand_calls) if c.key not in matched_cand and j not in folded_cand
+        ],
         ignored_reference=ignored,
+        folded_reference=[ref_calls[i].key for i in sorted(folded_ref)],
+        folded_candidate=[cand_calls[j].key for j in sorted(folded_cand)],
     )
 
 
@@ -258,11 +325,148 @@ def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRec
     return False
 
 
-def _by_identity(call: CallRecord, cand_by_key: dict[str, CallRecord]) -> Pair | bool:
-    other = cand_by_key.get(call.key)
-    if other is None:
-        return False
-    return Pair(call.key, other.key, "identity")
+def _by_fingerprint(
+    ref_calls: list[CallRecord],
+    cand_calls: list[CallRecord],
+    open_ref: list[int],
+    taken: set[int],
+    ref_prints: dict[str, ModulePrint],
+    cand_prints: dict[str, ModulePrint],
+) -> list[tuple[int, int, Pair]]:
+    """Calls of modules with equal parameter fingerprints, paired in execution order within each group.
+
+    A group with as many calls on both sides pairs them in order; otherwise (a module wrapping just one
+    child, weights shared by several modules) order, shape, class and names choose within the group.
+    """
+    ref_groups: dict[int, list[int]] = {}
+    for i in open_ref:
+        item = ref_prints.get(ref_calls[i].path)
+        if item is not None and item.numel:
+            ref_groups.setdefault(item.digest, []).append(i)
+    cand_groups: dict[int, list[int]] = {}
+    for j, call in enumerate(cand_calls):
+        item = cand_prints.get(call.path)
+        if j not in taken and item is not None and item.numel and item.digest in ref_groups:
+            cand_groups.setdefault(item.digest, []).append(j)
+    found: list[tuple[int, int, Pair]] = []
+    for digest, rows in ref_groups.items():
+        cols = cand_groups.get(digest)
+        if not cols:
+            continue
+        in_order = list(zip(rows, cols, strict=False))
+        if len(rows) == len(cols) and all(_shape(ref_calls[i]) == _shape(cand_calls[j]) for i, j in in_order):
+            matches = [(i, j, 1.0) for i, j in in_order]
+        else:
+            ref_features = {i: _Features.of(ref_calls[i]) for i in rows}
+            cand_features = {j: _Features.of(cand_calls[j]) for j in cols}
+            matches = _dp(rows, cols, lambda i, j, r=ref_features, c=cand_features: _within_group(r[i], c[j]))
+        for i, j, score in matches:
+            same = ref_calls[i].key == cand_calls[j].key
+            source = "identity" if same else "structure"
+            found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))))
+    return found
+
+
+def _within_group(ref: _Features, cand: _Features) -> float:
+    """Among modules holding the same weights: equal output shapes needed; structure breaks ties."""
+    if ref.shape != cand.shape:
+        return 0.0
+    if ref.numbers and cand.numbers and ref.numbers[-1] != cand.numbers[-1]:
+        return 0.0
+    return 0.5 + 0.5 * ref.structure(cand)
+
+
+def _by_parts(
+    ref_calls: list[CallRecord],
+    cand_calls: list[CallRecord],
+    open_ref: list[int],
+    taken: set[int],
+    ref_prints: dict[str, ModulePrint],
+    cand_prints: dict[str, ModulePrint],
+) -> list[tuple[int, int, Pair]]:
+    """Modules whose weight is part of a fused one on the other side (q of qkv, gate of gate+up), and the
+    positions of the output's last dimension that part computes, found from row and column hashes."""
+    cand_paths = {call.path for j, call in enumerate(cand_calls) if j not in taken}
+    cand_index = _axis_index(cand_prints, cand_paths)
+    cand_by_key = {call.key: j for j, call in enumerate(cand_calls) if j not in taken}
+    found: list[tuple[int, int, Pair]] = []
+    for i in open_ref:
+        call = ref_calls[i]
+        located = _locate(ref_prints.get(call.path), _shape(call), cand_index, cand_prints)
+        if located is None:
+            continue
+        path, part = located
+        j = cand_by_key.get(f"{path}#{call.call_index}")
+        if j is None:
+            continue
+        found.append((i, j, Pair(call.key, cand_calls[j].key, "structure", 1.0, candidate_part=part)))
+    ref_paths = {ref_calls[i].path for i in open_ref}
+    ref_index = _axis_index(ref_prints, ref_paths)
+    ref_by_key = {ref_calls[i].key: i for i in open_ref}
+    paired = {i for i, _, _ in found}
+    for j, call in enumerate(cand_calls):
+        if j in taken:
+            continue
+        located = _locate(cand_prints.get(call.path), _shape(call), ref_index, ref_prints)
+        if located is None:
+            continue
+        path, part = located
+        i = ref_by_key.get(f"{path}#{call.call_index}")
+        if i is None or i in paired:
+            continue
+        paired.add(i)
+        found.append((i, j, Pair(ref_calls[i].key, call.key, "structure", 1.0, reference_part=part)))
+    return found
+
+
+_AxisIndex = dict[int, list[tuple[str, str, int, int]]]
+"""Row or column hash -> (module path, parameter name, axis, position) of every 2-D parameter holding it."""
+
+
+def _axis_index(prints: dict[str, ModulePrint], paths: set[str]) -> _AxisIndex:
+    index: _AxisIndex = {}
+    for path in paths:
+        item = prints.get(path)
+        if item is None:
+            continue
+        for param in item.params:
+            for axis, hashes in ((0, param.rows), (1, param.cols)):
+                for position, value in enumerate(hashes):
+                    index.setdefault(value, []).append((path, param.name, axis, position))
+    return index
+
+
+def _locate(
+    item: ModulePrint | None, shape: tuple[int, ...] | None, index: _AxisIndex, prints: dict[str, ModulePrint]
+) -> tuple[str, Part] | None:
+    """Where the output features of ``item`` (a module with a 2-D weight) sit in a fused module's output."""
+    if item is None or not shape:
+        return None
+    for param in item.params:
+        for hashes in (param.rows, param.cols):
+            if len(hashes) != shape[-1] or len(set(hashes)) != len(hashes):
+                continue
+            owners: dict[tuple[str, str, int], list[int]] = {}
+            for value in hashes:
+                for path, name, axis, position in index.get(value, ()):
+                    owners.setdefault((path, name, axis), []).append(position)
+            for (path, name, axis), positions in owners.items():
+                other = next(p for p in prints[path].params if p.name == name)
+                if path == item.path or len(positions) != len(hashes) or len(positions) == other.shape[axis]:
+                    continue  # not a strict part (equal weights are paired by fingerprint)
+                return path, _part_of(positions)
+    return None
+
+
+def _part_of(positions: list[int]) -> Part:
+    if positions == list(range(positions[0], positions[0] + len(positions))):
+        return Part(start=positions[0], stop=positions[0] + len(positions))
+    return Part(indices=tuple(positions))
+
+
+def _shape(call: CallRecord) -> tuple[int, ...] | None:
+    node = _primary(call.outputs)
+    return tuple(node["shape"]) if node else None
 
 
 def _monotone_chain(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -293,15 +497,24 @@ def _align_segments(
     anchors: list[tuple[int, int]],
     skip_ref: set[int],
     skip_cand: set[int],
+    ref_prints: dict[str, ModulePrint],
+    cand_prints: dict[str, ModulePrint],
 ) -> dict[int, Pair]:
-    ref_features = [_Features.of(call) for call in ref_calls]
-    cand_features = [_Features.of(call) for call in cand_calls]
     bounds = [(-1, -1), *anchors, (len(ref_calls), len(cand_calls))]
     found: dict[int, Pair] = {}
+    features: dict[tuple[int, int], _Features] = {}
+
+    def feature(side: int, position: int) -> _Features:
+        key = (side, position)
+        if key not in features:
+            call = (ref_calls, cand_calls)[side][position]
+            features[key] = _Features.of(call, (ref_prints, cand_prints)[side].get(call.path))
+        return features[key]
+
     for (r0, c0), (r1, c1) in itertools.pairwise(bounds):
         rows = [i for i in range(r0 + 1, r1) if i not in skip_ref]
         cols = [j for j in range(c0 + 1, c1) if j not in skip_cand]
-        for i, j, score in _dp(rows, cols, ref_features, cand_features):
+        for i, j, score in _dp(rows, cols, lambda i, j: feature(0, i).similarity(feature(1, j))):
             found[i] = Pair(ref_calls[i].key, cand_calls[j].key, "auto", round(score, 4))
     return found
 
@@ -309,54 +522,69 @@ def _align_segments(
 def _rescue(
     ref_calls: list[CallRecord], cand_calls: list[CallRecord], skip_ref: set[int], skip_cand: set[int]
 ) -> dict[int, Pair]:
-    """Greedy best-first matching of what the ordered pass left, for branches run in another order."""
-    rows = [i for i in range(len(ref_calls)) if i not in skip_ref]
-    cols = [j for j in range(len(cand_calls)) if j not in skip_cand]
-    if not rows or not cols:
-        return {}
-    ref = {i: _Features.of(ref_calls[i]) for i in rows}
-    cand = {j: _Features.of(cand_calls[j]) for j in cols}
-    scored = sorted(
-        (
-            (_stats_similarity(ref[i].stats, cand[j].stats), ref[i].similarity(cand[j]), i, j)
-            for i in rows
-            for j in cols
-            if ref[i].shape is not None and ref[i].shape == cand[j].shape
-        ),
-        reverse=True,
-    )
+    """Greedy best-first matching of what the ordered pass left (branches run in another order), on
+    structure alone: equal output shapes and strong name evidence."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for j in range(len(cand_calls)):
+        shape = _shape(cand_calls[j]) if j not in skip_cand else None
+        if shape is not None:
+            by_shape.setdefault(shape, []).append(j)
+    scored = []
+    for i in range(len(ref_calls)):
+        shape = _shape(ref_calls[i]) if i not in skip_ref else None
+        if shape is None:
+            continue
+        ref = _Features.of(ref_calls[i])
+        for j in by_shape.get(shape, [])[:MAX_RESCUE]:
+            score = ref.structure(_Features.of(cand_calls[j]))
+            if score >= RESCUE_SCORE:
+                scored.append((score, -abs(i - j), i, j))
     found: dict[int, Pair] = {}
     used: set[int] = set()
-    for same_stats, score, i, j in scored:
-        if score < RESCUE_SCORE and not (same_stats >= RESCUE_STATS and ref[i].stats is not None):
-            continue
+    for score, _, i, j in sorted(scored, reverse=True):
         if i not in found and j not in used:
             found[i] = Pair(ref_calls[i].key, cand_calls[j].key, "auto", round(score, 4))
             used.add(j)
     return found
 
 
-def _dp(rows: list[int], cols: list[int], ref: list[_Features], cand: list[_Features]) -> list[tuple[int, int, float]]:
-    """Monotone alignment maximising the summed similarity (gaps cost nothing)."""
+def _dp(rows: list[int], cols: list[int], similarity: Any) -> list[tuple[int, int, float]]:
+    """Monotone alignment maximising the summed similarity (gaps cost nothing).
+
+    Long segments are banded around their diagonal (``BAND`` cells either side), so the cost stays
+    linear in the number of calls when anchors are sparse.
+    """
     if not rows or not cols:
         return []
     n, m = len(rows), len(cols)
-    scores = [[ref[i].similarity(cand[j]) for j in cols] for i in rows]
-    best = [[0.0] * (m + 1) for _ in range(n + 1)]
+    banded = n * m > MAX_CELLS
+    band = max(BAND, abs(n - m) + BAND) if banded else max(n, m)
+
+    def in_band(a: int, b: int) -> bool:
+        return not banded or abs(a * m // n - b) <= band
+
+    scores: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], float] = {}
+
+    def value(a: int, b: int) -> float:
+        return best.get((a, b), 0.0)
+
     for a in range(n - 1, -1, -1):
-        here, below, row = best[a], best[a + 1], scores[a]
-        for b in range(m - 1, -1, -1):
-            score = row[b]
-            take = below[b + 1] + score if score >= MIN_AUTO_SCORE else -1.0
-            here[b] = max(take, below[b], here[b + 1])
+        centre = a * m // n
+        low, high = (max(0, centre - band), min(m, centre + band + 1)) if banded else (0, m)
+        for b in range(high - 1, low - 1, -1):
+            score = similarity(rows[a], cols[b]) if in_band(a, b) else 0.0
+            scores[(a, b)] = score
+            take = value(a + 1, b + 1) + score if score >= MIN_AUTO_SCORE else -1.0
+            best[(a, b)] = max(take, value(a + 1, b), value(a, b + 1))
     matches: list[tuple[int, int, float]] = []
     a = b = 0
     while a < n and b < m:
-        score = scores[a][b]
-        if score >= MIN_AUTO_SCORE and math.isclose(best[a][b], best[a + 1][b + 1] + score):
+        score = scores.get((a, b), 0.0)
+        if score >= MIN_AUTO_SCORE and math.isclose(value(a, b), value(a + 1, b + 1) + score):
             matches.append((rows[a], cols[b], score))
             a, b = a + 1, b + 1
-        elif best[a][b] == best[a + 1][b]:
+        elif value(a, b) == value(a + 1, b):
             a += 1
         else:
             b += 1
@@ -375,15 +603,12 @@ class _Features:
     cls: str
     numbers: tuple[str, ...]
     depth: int
-    stats: tuple[float, float, float] | None
+    weights: int | None = None
+    """The module's parameter fingerprint, when it holds parameters and the trace carries fingerprints."""
 
     @classmethod
-    def of(cls, call: CallRecord) -> _Features:
+    def of(cls, call: CallRecord, item: ModulePrint | None = None) -> _Features:
         node = _primary(call.outputs)
-        stats = None
-        if node is not None and node.get("stats"):
-            s = node["stats"]
-            stats = (as_float(s.get("mean")), as_float(s.get("std")), as_float(s.get("absmax")))
         leaf = call.path.rsplit(".", 1)[-1] if call.path else ""
         return cls(
             shape=tuple(node["shape"]) if node else None,
@@ -392,19 +617,23 @@ class _Features:
             cls=call.cls.lower(),
             numbers=tuple(_NUMBER.findall(call.path)),
             depth=call.depth,
-            stats=stats,
+            weights=item.digest if item is not None and item.numel else None,
         )
 
     def similarity(self, other: _Features) -> float:
-        """0 unless output shapes agree and there is evidence beyond shape: near-identical output
-        statistics, or structure (layer numbers, names, class). Else a mix of both, in (0, 1]."""
+        """0 unless output shapes agree and layer numbers do not rule the pair out; else structural
+        evidence, in (0, 1]. Modules of the same shape in the same place in the order pair on shape and
+        position alone, unless both hold parameters that differ: then names must agree too (a weight
+        conversion bug still pairs with its namesake, a different computation does not)."""
         if self.shape is None or self.shape != other.shape:
             return 0.0
-        structure = self.structure(other)
-        same_stats = _stats_similarity(self.stats, other.stats)
-        if structure < MIN_STRUCTURE and same_stats < SAME_STATS:
+        if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
             return 0.0
-        return 0.6 * same_stats + 0.4 * structure
+        structure = self.structure(other)
+        differ = self.weights is not None and other.weights is not None and self.weights != other.weights
+        if differ and structure < MIN_STRUCTURE:
+            return 0.0
+        return MIN_AUTO_SCORE + (1 - MIN_AUTO_SCORE) * structure
 
     def structure(self, other: _Features) -> float:
         """Evidence from names alone: equal layer numbers, similar leaf names, shared tokens, same class."""
@@ -422,19 +651,6 @@ def _dice(a: frozenset[str], b: frozenset[str]) -> float:
 def _bigrams(name: str) -> frozenset[str]:
     padded = f"^{name}$"
     return frozenset(padded[i : i + 2] for i in range(len(padded) - 1))
-
-
-def _stats_similarity(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> float:
-    """1 for equal summaries, falling towards 0 as means, stds and maxima drift apart."""
-    if a is None or b is None:
-        return 0.3
-    total = 0.0
-    for x, y in zip(a, b, strict=True):
-        if not (math.isfinite(x) and math.isfinite(y)):
-            continue
-        scale = max(abs(x), abs(y), 1e-12)
-        total += min(abs(x - y) / scale, 1.0)
-    return max(0.0, 1.0 - total / 3 * 2)
 
 
 def _path(key: str) -> str:

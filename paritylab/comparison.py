@@ -32,6 +32,8 @@ DIVERGENCE_MARGIN = 4.0
 """A row diverges (for localisation) when its relative L2 error exceeds this multiple of ``rtol``."""
 JUMP = 10.0
 """A diverging row whose input already diverged still starts divergence if its error is this much larger."""
+LOCAL_MINIMUM = 1e-7
+"""With local noise floors (``floor_only``), a row never diverges below this relative error."""
 
 
 @dataclass
@@ -54,7 +56,8 @@ class Row:
     reference: Side
     candidate: Side | None
     status: str
-    """``compared``, ``stats-only``, ``shape-mismatch``, ``missing``, ``error`` or ``unmatched``."""
+    """``compared``, ``stats-only``, ``shape-mismatch``, ``missing``, ``error``, ``unmatched`` or ``identity``
+    (the call returned its own input: folded into the call that produced it, never an origin)."""
     verdict: str
     """``pass``, ``fail`` or ``skip`` (nothing to judge)."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -64,6 +67,8 @@ class Row:
     diverged: bool = False
     """Scale-free divergence used for localisation (see the module docstring)."""
     input_diverged: bool = False
+    input_known: bool = True
+    """Whether the input's state is known: compared directly, or read from the row that produced it."""
     cause: str = ""
     """For diverging rows: ``origin``, ``contains-origin`` or ``inherited``."""
     floor: float | None = None
@@ -124,6 +129,8 @@ class Report:
     first_nonfinite: dict[str, str | None] = field(default_factory=dict)
     replay_origins: list[Row] = field(default_factory=list)
     """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.replay.attach_replay` ran."""
+    culprit_reason: str = ""
+    """Why :attr:`first_divergence` was named (free-run origin, unmatched stretch, isolated replay, ...)."""
 
     @property
     def passed(self) -> bool:
@@ -190,11 +197,14 @@ def compare_traces(
     tolerances: Tolerances | None = None,
     noise_floor: Mapping[str, float] | None = None,
     noise_multiple: float = NOISE_MULTIPLE,
+    floor_only: bool = False,
 ) -> Report:
     """Compare ``candidate`` against ``reference``.
 
     ``noise_floor`` maps reference call keys to the relative L2 error that precision alone causes there
-    (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes.
+    (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes. With ``floor_only``
+    (local floors of an isolated replay) a row with a floor diverges above ``noise_multiple`` times it,
+    however small that is against the dtype's tolerance.
     """
     alignment = alignment or align(reference, candidate, rules)
     tolerances = tolerances or Tolerances()
@@ -202,38 +212,49 @@ def compare_traces(
     pairs = alignment.by_reference()
     ignored = set(alignment.ignored_reference)
     rows: list[Row] = []
+    folded = set(alignment.folded_reference)
     for call in reference.calls:
         pair = pairs.get(call.key)
+        if call.key in folded:
+            rows.append(_unmatched_row(call, "returns its input: folded into the call that produced it", "identity"))
+            continue
         if pair is None:
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
         row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
-        _mark_divergence(row, noise_multiple)
+        _mark_divergence(row, noise_multiple, floor_only)
         rows.append(row)
-    origins = _localise(rows)
-    first = None
-    if any(row.verdict == "fail" for row in rows):
-        first = origins[0] if origins else next(row for row in rows if row.verdict == "fail")
+    _infer_inputs(rows, reference)
+    origins = _localise(rows, reference)
+    first, reason = None, ""
+    if origins:
+        first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
+        if first.status == "unmatched":
+            reason = "divergence starts inside this module, which has no counterpart in the candidate"
+    elif any(row.verdict == "fail" for row in rows):
+        first = innermost_first([row for row in rows if row.verdict == "fail"], rows)
+        reason = "the earliest innermost failing module (no row diverges beyond its tolerance margin)"
     return Report(
         rows=rows,
         alignment=alignment,
         first_divergence=first,
         origins=origins,
+        culprit_reason=reason,
         reference_meta=reference.meta,
         candidate_meta=candidate.meta,
         first_nonfinite={"reference": _first_nonfinite(reference), "candidate": _first_nonfinite(candidate)},
     )
 
 
-def _unmatched_row(call: CallRecord, note: str) -> Row:
+def _unmatched_row(call: CallRecord, note: str, status: str = "unmatched") -> Row:
     return Row(
         index=call.index,
         path=call.path,
         reference=Side(call.key),
         candidate=None,
-        status="unmatched",
+        status=status,
         verdict="skip",
         depth=call.depth,
         parent=call.parent,
@@ -351,27 +372,80 @@ def relative_error(metrics: Mapping[str, float]) -> float | None:
     return max(relative) if relative else None
 
 
-def _mark_divergence(row: Row, noise_multiple: float) -> None:
+def _mark_divergence(row: Row, noise_multiple: float, floor_only: bool = False) -> None:
     if row.tolerance is None:
         row.diverged = row.verdict == "fail"
         return
     threshold = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
     if row.floor is not None:
-        threshold = max(threshold, noise_multiple * row.floor)
+        local = noise_multiple * row.floor
+        threshold = max(local, LOCAL_MINIMUM) if floor_only else max(threshold, local)
     nonfinite = any(row.metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
     out = relative_error(row.metrics)
     row.diverged = row.status in ("shape-mismatch", "error") or nonfinite or (out is not None and out > threshold)
     into = relative_error(row.input_metrics)
+    row.input_known = into is not None
     in_nonfinite = any(row.input_metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
     row.input_diverged = in_nonfinite or (into is not None and into > threshold)
     if row.input_diverged and out is not None and into is not None and not in_nonfinite and out > JUMP * into:
         row.input_diverged = False  # the row adds far more than it received: a second origin
 
 
-def _localise(rows: list[Row]) -> list[Row]:
-    """Mark each diverging row as origin / contains-origin / inherited; return the origins in order."""
+def _producer(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> Row | None:
+    """The row of the call that produced ``row``'s primary input, looking through folded identity calls."""
+    seen: set[int] = set()
+    current = row
+    while True:
+        node = _primary_input(reference.calls[current.index]) if current.index < len(reference.calls) else None
+        origin = node.get("from") if node else None
+        if not isinstance(origin, int) or origin in seen or origin not in rows_by_index:
+            return None
+        seen.add(origin)
+        producer = rows_by_index[origin]
+        if producer.status != "identity":
+            return producer
+        current = producer
+
+
+def _infer_inputs(rows: list[Row], reference: Trace) -> None:
+    """Rows whose inputs could not be compared take their input's state from the row that produced it."""
     by_index = {row.index: row for row in rows}
-    starts = [row for row in rows if row.diverged and not row.input_diverged]
+    for row in rows:
+        if row.input_known or not row.diverged:
+            continue
+        producer = _producer(by_index, reference, row)
+        if producer is not None and producer.status in _JUDGED:
+            row.input_known, row.input_diverged = True, producer.diverged
+
+
+_JUDGED = ("compared", "stats-only", "shape-mismatch", "error")
+
+
+def _localise(rows: list[Row], reference: Trace) -> list[Row]:
+    """Mark each diverging row as origin / contains-origin / inherited; return the origins in order.
+
+    A start is a diverging row whose input agrees. A diverging row whose input diverged, when that input
+    was produced by a module with no counterpart whose own input agrees, makes that unmatched module the
+    start: divergence begins inside the unmatched stretch. Rows whose input state is unknown are starts
+    only when nothing else explains the divergence. An origin is a start with no start among its
+    descendants.
+    """
+    by_index = {row.index: row for row in rows}
+    starts = [row for row in rows if row.diverged and row.input_known and not row.input_diverged]
+    for row in rows:
+        if not (row.diverged and row.input_known and row.input_diverged):
+            continue
+        producer = _producer(by_index, reference, row)
+        if producer is None or producer.status != "unmatched":
+            continue
+        upstream = _producer(by_index, reference, producer)
+        if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
+            producer.diverged = True
+            producer.note = "no counterpart; its consumers' inputs diverge while its own input agrees"
+            if producer not in starts:
+                starts.append(producer)
+    if not starts:
+        starts = [row for row in rows if row.diverged and not row.input_known]
     has_start_below: set[int] = set()
     for row in starts:
         parent = row.parent
@@ -384,11 +458,26 @@ def _localise(rows: list[Row]) -> list[Row]:
             continue
         if row in origins:
             row.cause = "origin"
-        elif not row.input_diverged:
+        elif row in starts or not row.input_diverged:
             row.cause = "contains-origin"
         else:
             row.cause = "inherited"
     return sorted(origins, key=lambda row: row.index)
+
+
+def innermost_first(rows: list[Row], everything: list[Row]) -> Row:
+    """The earliest of ``rows`` that has none of the others below it (a module, not its parents)."""
+    indices = {row.index for row in rows}
+    parents: set[int] = set()
+    by_index = {row.index: row for row in everything}
+    for row in rows:
+        parent = row.parent
+        while parent is not None:
+            if parent in indices:
+                parents.add(parent)
+            parent = by_index[parent].parent if parent in by_index else None
+    inner = [row for row in rows if row.index not in parents]
+    return min(inner or rows, key=lambda row: row.index)
 
 
 def _first_nonfinite(trace: Trace) -> str | None:
@@ -427,15 +516,11 @@ def _primary_input(call: CallRecord) -> Node | None:
 def _sliced_shape(shape: list[int], cut: Part | None) -> list[int]:
     if cut is None or not shape:
         return list(shape)
-    start, stop = cut.bounds(shape[-1])
-    return [*shape[:-1], max(0, stop - start)]
+    return [*shape[:-1], cut.size(shape[-1])]
 
 
 def _cut(value: torch.Tensor, cut: Part | None) -> torch.Tensor:
-    if cut is None:
-        return value
-    start, stop = cut.bounds(value.shape[-1])
-    return value[..., start:stop]
+    return value if cut is None else cut.select(value)
 
 
 def _numel(shape: list[int]) -> int:

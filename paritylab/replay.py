@@ -18,11 +18,14 @@ import torch
 from torch import nn
 
 from paritylab.alignment import Alignment, Pair, Part, primary_slot
-from paritylab.comparison import Report, compare_traces, relative_error
+from paritylab.comparison import Report, Row, compare_traces, relative_error
 from paritylab.metrics import Tolerances
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.values import iter_tensors
+
+LOCAL_MULTIPLE = 3.0
+"""With local noise floors, a module's own error diverges above this multiple of its floor."""
 
 
 @dataclasses.dataclass
@@ -81,8 +84,7 @@ def _replacement(reference: Trace, candidate: Trace, pair: Pair) -> _Replacement
     if value is None:
         return None
     if pair.reference_part is not None:
-        start, stop = pair.reference_part.bounds(value.shape[-1])
-        value = value[..., start:stop]
+        value = pair.reference_part.select(value)
     return _Replacement(cand_slot, value, pair.candidate_part)
 
 
@@ -124,18 +126,43 @@ def _swap(tensor: torch.Tensor, replacement: _Replacement) -> torch.Tensor:
     new = replacement.value.to(device=tensor.device, dtype=tensor.dtype)
     if replacement.cut is None:
         return new if new.shape == tensor.shape else tensor
-    start, stop = replacement.cut.bounds(tensor.shape[-1])
-    if tensor[..., start:stop].shape != new.shape:
+    cut = replacement.cut
+    if cut.select(tensor).shape != new.shape:
         return tensor
     merged = tensor.clone()
-    merged[..., start:stop] = new
+    if cut.indices is not None:
+        merged[..., list(cut.indices)] = new
+    else:
+        start, stop = cut.bounds(tensor.shape[-1])
+        merged[..., start:stop] = new
     return merged
 
 
-def attach_replay(report: Report, reference: Trace, replay: Trace, tolerances: Tolerances | None = None) -> Report:
-    """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification;
-    returns the comparison of the replay run itself."""
-    replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
+def attach_replay(
+    report: Report,
+    reference: Trace,
+    replay: Trace,
+    tolerances: Tolerances | None = None,
+    local_floor: Mapping[str, float] | None = None,
+    noise_multiple: float = LOCAL_MULTIPLE,
+) -> Report:
+    """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification,
+    and name one culprit from the free run and the replay together; returns the replay's comparison.
+
+    ``local_floor`` (low-precision runs) maps reference call keys to the error the reference module itself
+    makes at the candidate's precision on the reference's exact input: a module's own error is judged
+    against ``noise_multiple`` times that, not against the dtype's tolerance, so a 1 % error in one module
+    of a bfloat16 candidate is found.
+    """
+    replay_report = compare_traces(
+        reference,
+        replay,
+        alignment=report.alignment,
+        tolerances=tolerances,
+        noise_floor=local_floor,
+        noise_multiple=noise_multiple,
+        floor_only=local_floor is not None,
+    )
     local_rows = {row.index: row for row in replay_report.rows}
     for row in report.rows:
         local = local_rows.get(row.index)
@@ -145,9 +172,68 @@ def attach_replay(report: Report, reference: Trace, replay: Trace, tolerances: T
         inherited = relative_error(row.input_metrics)
         output = relative_error(row.metrics)
         row.local = {"local_rel_l2": own, "local_diverged": float(local.diverged)}
+        if local.floor is not None:
+            row.local["local_floor"] = local.floor
         if inherited is not None:
             row.local["inherited_rel_l2"] = inherited
         if output is not None and inherited:
             row.local["amplification"] = output / inherited
-    report.replay_origins = [row for row in report.rows if row.local.get("local_diverged")]
+    own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
+    report.replay_origins = _innermost(own_errors, report.rows)
+    _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
+
+
+def _innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
+    """``rows`` without those that have another of ``rows`` below them, in execution order."""
+    chosen = {row.index for row in rows}
+    by_index = {row.index: row for row in everything}
+    above: set[int] = set()
+    for row in rows:
+        parent = row.parent
+        while parent is not None:
+            if parent in chosen:
+                above.add(parent)
+            parent = by_index[parent].parent if parent in by_index else None
+    return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
+
+
+def _name_culprit(report: Report, low_precision: bool) -> None:
+    """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
+
+    - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
+    - a free-run origin whose own error the replay confirms stands;
+    - else the replay's earliest own error inside the free-run origin is more precise, and in low
+      precision, where free-run divergence is judged against a wide tolerance, the replay's earliest own
+      error (judged against the local noise floor) is named;
+    - with no free-run origin, the replay's earliest own error is the culprit when the run fails.
+    """
+    first = report.origins[0] if report.origins else None
+    replayed = report.replay_origins
+    if not replayed or (first is not None and first.status == "unmatched"):
+        return
+    if first is not None and first in replayed:
+        return
+    inside = [row for row in replayed if first is not None and _is_below(row, first, report.rows)]
+    chosen: Row | None = None
+    if inside:
+        chosen, reason = inside[0], "its own error (isolated replay) diverges inside the free-run origin"
+    elif low_precision or first is None:
+        if first is None and report.passed:
+            return
+        chosen, reason = replayed[0], "the earliest module whose own error (isolated replay) exceeds its local floor"
+    if chosen is None:
+        return
+    report.first_divergence, report.culprit_reason = chosen, reason
+    report.origins = [chosen, *(row for row in report.origins if row is not chosen)]
+    chosen.cause = "origin"
+
+
+def _is_below(row: Row, ancestor: Row, rows: list[Row]) -> bool:
+    by_index = {item.index: item for item in rows}
+    parent = row.parent
+    while parent is not None:
+        if parent == ancestor.index:
+            return True
+        parent = by_index[parent].parent if parent in by_index else None
+    return False

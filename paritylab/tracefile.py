@@ -41,6 +41,8 @@ class CallRecord:
     inputs: Node | None = None
     outputs: Node | None = None
     error: str | None = None
+    identity: bool = False
+    """The call returned (a view of) its own input unchanged: hook points, ``nn.Identity``, eval dropout."""
 
     @property
     def key(self) -> str:
@@ -64,6 +66,8 @@ class CallRecord:
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
+        if self.identity:
+            data["identity"] = True
         return data
 
     @classmethod
@@ -79,6 +83,7 @@ class CallRecord:
                 inputs=_node_or_none(data.get("inputs")),
                 outputs=_node_or_none(data.get("outputs")),
                 error=None if data.get("error") is None else str(data["error"]),
+                identity=data.get("identity") is True,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TraceFormatError(f"malformed call record {str(data)[:120]!r}: {error}") from error

@@ -52,6 +52,8 @@ class TraceOptions:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     on_call: Callable[[CallRecord], None] | None = None
     """Called after each recorded call completes (progress bars); keep it cheap."""
+    fingerprint: bool = True
+    """Record each module's parameter fingerprint (:mod:`paritylab.structure`), the evidence alignment trusts."""
 
     def selects(self, path: str) -> bool:
         depth = 0 if not path else path.count(".") + 1
@@ -71,6 +73,8 @@ class _Seen:
     stats: int | None
     stored: str | None
     skipped: str | None
+    producer: int | None = None
+    """The innermost call that returned this tensor (dataflow: inputs point back to it)."""
 
 
 class Tracer:
@@ -104,12 +108,19 @@ class Tracer:
         self._selected: list[str] = []
         self._inplace: set[str] = set()
         self._started = 0.0
+        self._side = "inputs"
+        self._out_seen: list[_Seen] = []
+        self._structure: list[dict[str, Any]] | None = None
 
     # -- context management ------------------------------------------------------------------------------
 
     def __enter__(self) -> Trace:
         self._started = time.perf_counter()
         specs = resolve_specs(self.model, self.options.capture)
+        if self.options.fingerprint:
+            from paritylab.structure import fingerprint
+
+            self._structure = [item.to_json() for item in fingerprint(self.model).values()]
         if self.directory is not None:
             self._store = TensorStore(
                 self.directory,
@@ -164,7 +175,7 @@ class Tracer:
     def _post_hook(self, path: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             try:
-                self._close_call(path, output)
+                self._close_call(path, output, args, kwargs)
             except Exception as error:
                 self._note_hook_error(path, error)
 
@@ -183,6 +194,7 @@ class Tracer:
             depth=len(self._stack),
         )
         if self.options.inputs:
+            self._side = "inputs"
             record.inputs = encode({"args": args, "kwargs": kwargs}, self._encode_tensor)
         if self._store is not None and path in self._inplace:
             for tensor in (*args, *kwargs.values()):
@@ -191,7 +203,7 @@ class Tracer:
         self.trace.calls.append(record)
         self._stack.append((record, sys.exc_info()[1]))
 
-    def _close_call(self, path: str, output: Any) -> None:
+    def _close_call(self, path: str, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._stack or self._stack[-1][0].path != path:
             return  # unbalanced (a hook of ours failed on entry); nothing to close
         record, ambient = self._stack.pop()
@@ -201,8 +213,15 @@ class Tracer:
             if self._raised_at is None:
                 self._raised_at = record.key
             return
+        record.identity = _returns_its_input(output, args, kwargs)
         if self.options.outputs:
+            self._side = "outputs"
+            self._out_seen.clear()
             record.outputs = encode(output, self._encode_tensor)
+            if not record.identity:
+                for seen in self._out_seen:
+                    if seen.producer is None:
+                        seen.producer = record.index
         for spec in self._captures.get(path, ()):
             self._capture(spec, record, output)
         if self.options.on_call is not None:
@@ -218,6 +237,10 @@ class Tracer:
         seen = self._lookup(tensor)
         if seen is None:
             seen = self._record_tensor(tensor)
+        if self._side == "outputs":
+            self._out_seen.append(seen)
+        elif seen.producer is not None:
+            node["from"] = seen.producer
         if seen.stats is not None:
             self._stats_targets.append((node, seen.stats))
         if seen.stored is not None:
@@ -351,6 +374,8 @@ class Tracer:
             }
         if self._hook_error is not None:
             meta["hook_error"] = self._hook_error
+        if self._structure is not None:
+            meta["structure"] = self._structure
         return meta
 
     def _count_skipped(self) -> int:
@@ -397,6 +422,27 @@ def _slot(output: Any, index: int | str | None) -> str:
     if isinstance(output, Mapping) and isinstance(index, int):
         return f"outputs.{list(output.keys())[index]}"
     return f"outputs.{index}"
+
+
+def _returns_its_input(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call's primary output is one of its input tensors, or a same-shape view of one."""
+    if isinstance(output, tuple | list) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        return False
+    for value in (*args, *kwargs.values()):
+        if value is output:
+            return True
+        if (
+            isinstance(value, torch.Tensor)
+            and value.numel() > 0
+            and value.data_ptr() == output.data_ptr()
+            and value.shape == output.shape
+            and value.stride() == output.stride()
+            and value.dtype == output.dtype
+        ):
+            return True
+    return False
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from experiments.llava_port import ALIGNMENT, from_reference
-from paritylab.alignment import AlignmentError, Rule, align, load_rules, parse_rules
+from paritylab.alignment import AlignmentError, Part, Rule, align, load_rules, parse_rules
 from paritylab.comparison import compare_traces, noise_floor
 from paritylab.metrics import Tolerance, Tolerances, divergence, within
 from paritylab.references import llava
@@ -156,7 +156,13 @@ def test_hand_written_port_aligns_automatically_and_passes(tmp_path):
     assert pairs["model.language_model.embed_tokens"] == "llm.tok_embeddings"  # run in another order
     assert pairs["lm_head"] == "llm.output"
     assert "model.vision_tower" not in pairs  # no counterpart in the port: left unmatched, not forced
-    assert "model.language_model.layers.0.self_attn.q_proj#0" in report.alignment.unmatched_reference
+    by_reference = report.alignment.by_reference()
+    for index, name in enumerate(("q_proj", "k_proj", "v_proj")):  # fused qkv found from the weights alone
+        pair = by_reference[f"model.language_model.layers.0.self_attn.{name}#0"]
+        assert (pair.candidate, pair.source) == ("llm.layers.0.attention.wqkv#0", "structure")
+        assert pair.candidate_part == Part(start=32 * index, stop=32 * (index + 1))
+    up = by_reference["model.language_model.layers.1.mlp.up_proj#0"]
+    assert up.candidate == "llm.layers.1.feed_forward.w13#0" and up.candidate_part == Part(start=88, stop=176)
     assert report.summary()["output_rel_l2"] < 1e-6
 
 

@@ -1,0 +1,135 @@
+"""Fingerprints of a model's parameters: evidence for alignment that no numerical bug can change.
+
+Two modules of different implementations compute the same thing when they hold the same weights, whatever
+their names, layouts or dtypes. Each parameter is summarised by an order-free hash of its values rounded to
+bfloat16 (a sum of mixed element hashes, modulo 2**64), so the fingerprint does not change under transpose,
+reshape, permutation or a cast, and fused parameters hash to the sum of their parts. A module's fingerprint
+is the sum over the distinct parameters of its subtree. For 2-D parameters the hash of every row and every
+column is kept too, so the slice of a fused projection (qkv, gate+up) that equals a separate module's
+weight can be located.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+MASK = (1 << 64) - 1
+MAX_AXIS = 1 << 16
+"""Row/column hashes are kept for 2-D parameters with at most this many rows and columns."""
+_M1, _M2 = -1640531535, 1274126177  # odd 32-bit multipliers (as signed int32)
+
+
+@dataclass(frozen=True)
+class ParamPrint:
+    """One direct parameter: its value hash, shape, and for 2-D ones the hash of each row and column."""
+
+    name: str
+    shape: tuple[int, ...]
+    digest: int
+    rows: tuple[int, ...] = ()
+    cols: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "digest": self.digest}
+        if self.rows:
+            data["rows"], data["cols"] = list(self.rows), list(self.cols)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParamPrint:
+        return cls(
+            str(data["name"]),
+            tuple(int(v) for v in data["shape"]),
+            int(data["digest"]) & MASK,
+            tuple(int(v) & MASK for v in data.get("rows", ())),
+            tuple(int(v) & MASK for v in data.get("cols", ())),
+        )
+
+
+@dataclass(frozen=True)
+class ModulePrint:
+    """A module's subtree fingerprint (``digest``, 0 when it holds no parameters) and its direct parameters."""
+
+    path: str
+    digest: int
+    numel: int
+    params: tuple[ParamPrint, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": self.path, "digest": self.digest, "numel": self.numel}
+        if self.params:
+            data["params"] = [param.to_json() for param in self.params]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModulePrint:
+        params = tuple(ParamPrint.from_json(p) for p in data.get("params", ()))
+        return cls(str(data["path"]), int(data["digest"]) & MASK, int(data["numel"]), params)
+
+
+def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
+    """Module path -> fingerprint, for every module of ``model`` (computed without autograd)."""
+    digests: dict[int, int] = {}
+    direct: dict[str, tuple[ParamPrint, ...]] = {}
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            prints = []
+            for name, param in module.named_parameters(recurse=False):
+                summary = _param_print(name, param)
+                digests.setdefault(id(param), summary.digest)
+                prints.append(summary)
+            direct[path] = tuple(prints)
+    result: dict[str, ModulePrint] = {}
+    for path, module in model.named_modules():
+        total, numel = 0, 0
+        for param in module.parameters():
+            digest = digests.get(id(param))
+            if digest is None:
+                continue
+            total = (total + digest) & MASK
+            numel += param.numel()
+        result[path] = ModulePrint(path, total if numel else 0, numel, direct[path])
+    return result
+
+
+def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
+    values = param.detach()
+    if values.is_complex() or not (values.is_floating_point() or values.dtype == torch.bool):
+        values = values.to(torch.float32) if not values.is_complex() else torch.view_as_real(values)
+    hashed = element_hashes(values)
+    digest = int(hashed.sum(dtype=torch.int64)) & MASK
+    rows: tuple[int, ...] = ()
+    cols: tuple[int, ...] = ()
+    if hashed.dim() == 2 and max(hashed.shape) <= MAX_AXIS:
+        rows = tuple(int(v) & MASK for v in hashed.sum(dim=1, dtype=torch.int64).tolist())
+        cols = tuple(int(v) & MASK for v in hashed.sum(dim=0, dtype=torch.int64).tolist())
+    return ParamPrint(name, tuple(param.shape), digest, rows, cols)
+
+
+def element_hashes(values: torch.Tensor) -> torch.Tensor:
+    """A mixed 32-bit hash of each element's bfloat16 rounding (signed zero folded), same shape."""
+    bits = values.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    bits = torch.where(bits == -32768, 0, bits)  # -0.0 is 0.0
+    mixed = (bits + 0x5BD1E995) * _M1
+    mixed = mixed ^ (mixed >> 15)
+    mixed = mixed * _M2
+    return mixed ^ (mixed >> 13)
+
+
+def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
+    """The fingerprints a trace carries (``meta["structure"]``), or none for traces written without them."""
+    raw = meta.get("structure")
+    if not isinstance(raw, list):
+        return {}
+    prints: dict[str, ModulePrint] = {}
+    for entry in raw:
+        try:
+            item = ModulePrint.from_json(entry)
+        except (KeyError, TypeError, ValueError):
+            return {}  # a damaged fingerprint is no evidence; alignment falls back to order and names
+        prints[item.path] = item
+    return prints
