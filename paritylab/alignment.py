@@ -238,8 +238,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
     """
     rules = list(rules)
     ref_calls, cand_calls = reference.calls, candidate.calls
-    folded_ref = {i for i, call in enumerate(ref_calls) if call.identity}
-    folded_cand = {j for j, call in enumerate(cand_calls) if call.identity}
+    folded_ref, folded_cand = _folded(ref_calls), _folded(cand_calls)
     cand_by_key = {call.key: call for i, call in enumerate(cand_calls) if i not in folded_cand}
     cand_position = {call.key: position for position, call in enumerate(cand_calls)}
     ref_prints, cand_prints = prints_from_meta(reference.meta), prints_from_meta(candidate.meta)
@@ -301,6 +300,29 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
     )
 
 
+def _folded(calls: list[CallRecord]) -> set[int]:
+    """Calls that compute nothing new: those returning their own input, and a module called again on the
+    very tensor an earlier call of it received (TransformerLens normalises the same residual for q, k and v)."""
+    folded: set[int] = set()
+    seen: set[tuple[str, str]] = set()
+    for position, call in enumerate(calls):
+        if call.identity:
+            folded.add(position)
+            continue
+        node = _primary_input(call)
+        ref = node.get("ref") if node else None
+        if ref is None:
+            continue
+        if (call.path, ref) in seen:
+            folded.add(position)
+        seen.add((call.path, ref))
+    return folded
+
+
+def _primary_input(call: CallRecord) -> Node | None:
+    return next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
+
+
 def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRecord]) -> Pair | bool | None:
     """The pair a rule gives, ``None`` if a rule leaves the call unmatched, ``False`` if no rule applies."""
     for rule in rules:
@@ -354,7 +376,7 @@ def _by_fingerprint(
         if not cols:
             continue
         in_order = list(zip(rows, cols, strict=False))
-        if len(rows) == len(cols) and all(_shape(ref_calls[i]) == _shape(cand_calls[j]) for i, j in in_order):
+        if len(rows) == len(cols) and all(_fits(ref_calls[i], cand_calls[j]) for i, j in in_order):
             matches = [(i, j, 1.0) for i, j in in_order]
         else:
             ref_features = {i: _Features.of(ref_calls[i]) for i in rows}
@@ -367,9 +389,22 @@ def _by_fingerprint(
     return found
 
 
+def _fits(ref: CallRecord, cand: CallRecord) -> bool:
+    """Output shapes equal, or equal but for dimensions one side kept at 1 (broadcast)."""
+    a, b = _shape(ref), _shape(cand)
+    return a is not None and b is not None and (a == b or broadcastable(a, b))
+
+
+def broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Same rank, and every dimension equal or 1 on one side: the same values, one side repeated."""
+    return len(a) == len(b) and all(x == y or x == 1 or y == 1 for x, y in zip(a, b, strict=True))
+
+
 def _within_group(ref: _Features, cand: _Features) -> float:
-    """Among modules holding the same weights: equal output shapes needed; structure breaks ties."""
-    if ref.shape != cand.shape:
+    """Among modules holding the same weights: output shapes that fit needed; structure breaks ties."""
+    if ref.shape is None or cand.shape is None:
+        return 0.0
+    if ref.shape != cand.shape and not broadcastable(ref.shape, cand.shape):
         return 0.0
     if ref.numbers and cand.numbers and ref.numbers[-1] != cand.numbers[-1]:
         return 0.0
@@ -615,7 +650,7 @@ class _Features:
             tokens=frozenset(_TOKEN.findall(f"{call.path} {call.cls}".lower())),
             name=_bigrams(leaf.lower()),
             cls=call.cls.lower(),
-            numbers=tuple(_NUMBER.findall(call.path)),
+            numbers=_layer_numbers(call.path),
             depth=call.depth,
             weights=item.digest if item is not None and item.numel else None,
         )
@@ -642,6 +677,13 @@ class _Features:
         numbers = 1.0 if self.numbers and self.numbers == other.numbers else 0.0
         overlap = len(self.tokens & other.tokens) / max(1, min(len(self.tokens), len(other.tokens)))
         return 0.5 * numbers + 0.3 * _dice(self.name, other.name) + 0.1 * overlap + 0.1 * (self.cls == other.cls)
+
+
+def _layer_numbers(path: str) -> tuple[str, ...]:
+    """Numeric path components followed by more components (``layers.3.mlp``): layer numbers. A numeric
+    leaf is a position inside a ``Sequential`` (``mlp.1``), not a layer."""
+    parts = path.split(".")
+    return tuple(part for part in parts[:-1] if part.isdigit())
 
 
 def _dice(a: frozenset[str], b: frozenset[str]) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from paritylab.alignment import Alignment, Pair, Part, Rule, align, primary_slot
+from paritylab.alignment import Alignment, Pair, Part, Rule, align, broadcastable, primary_slot
 from paritylab.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
 from paritylab.tracefile import CallRecord, Trace
 from paritylab.values import Node, first_tensor_slot, iter_tensors
@@ -338,15 +338,20 @@ def _judge(
         return "missing", "skip", {}, f"no output tensor on the {missing} side"
     ref_shape = _sliced_shape(ref_node["shape"], ref_slice)
     cand_shape = _sliced_shape(cand_node["shape"], cand_slice)
-    if ref_shape != cand_shape:
+    broadcast = ref_shape != cand_shape and broadcastable(ref_shape, cand_shape)
+    if ref_shape != cand_shape and not broadcast:
         note = f"shapes differ: {ref_shape} vs {cand_shape}"
         if _numel(ref_shape) == _numel(cand_shape):
             note += " (same number of elements: a layout difference?)"
         return "shape-mismatch", "fail", {}, note
     ref_value, cand_value = reference.tensor(ref_node), candidate.tensor(cand_node)
     if ref_value is not None and cand_value is not None:
-        metrics = divergence(_cut(ref_value, ref_slice), _cut(cand_value, cand_slice), tolerance)
-        return "compared", "pass" if within(metrics) else "fail", metrics, ""
+        ref_value, cand_value = _cut(ref_value, ref_slice), _cut(cand_value, cand_slice)
+        if broadcast:  # one side kept a size-1 dimension the other repeated (position embeddings)
+            ref_value, cand_value = torch.broadcast_tensors(ref_value, cand_value)
+        metrics = divergence(ref_value, cand_value, tolerance)
+        note = f"broadcast {ref_shape} against {cand_shape}" if broadcast else ""
+        return "compared", "pass" if within(metrics) else "fail", metrics, note
     if ref_node.get("stats") and cand_node.get("stats") and ref_slice is None and cand_slice is None:
         metrics = stats_divergence(ref_node["stats"], cand_node["stats"])
         return "stats-only", "pass" if stats_within(metrics, tolerance) else "fail", metrics, "judged on stats"

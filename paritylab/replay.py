@@ -24,7 +24,7 @@ from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.values import iter_tensors
 
-LOCAL_MULTIPLE = 3.0
+LOCAL_MULTIPLE = 8.0
 """With local noise floors, a module's own error diverges above this multiple of its floor."""
 
 
@@ -42,6 +42,7 @@ def isolated_replay(
     candidate_trace: Trace,
     alignment: Alignment,
     directory: str | Path | None = None,
+    fingerprint: bool = False,
 ) -> Trace:
     """Trace ``run(candidate)`` with every aligned output replaced by the reference's value.
 
@@ -50,7 +51,7 @@ def isolated_replay(
     """
     plan = _plan(reference, candidate_trace, alignment)
     counts: dict[str, int] = {}
-    options = TraceOptions(save_tensors=directory is not None, capture=None)
+    options = TraceOptions(save_tensors=directory is not None, capture=None, fingerprint=fingerprint)
     with Tracer(candidate, directory, options) as trace:
         handles = [
             module.register_forward_hook(_replacer(path, counts, plan)) for path, module in candidate.named_modules()
@@ -152,7 +153,7 @@ def attach_replay(
     ``local_floor`` (low-precision runs) maps reference call keys to the error the reference module itself
     makes at the candidate's precision on the reference's exact input: a module's own error is judged
     against ``noise_multiple`` times that, not against the dtype's tolerance, so a 1 % error in one module
-    of a bfloat16 candidate is found.
+    of a bfloat16 candidate can be found where it stands out of that module's own rounding.
     """
     replay_report = compare_traces(
         reference,
@@ -179,6 +180,12 @@ def attach_replay(
         if output is not None and inherited:
             row.local["amplification"] = output / inherited
     own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
+    if local_floor is not None:  # a module's own error beyond its local floor fails, however small against bf16
+        for row in own_errors:
+            if row.verdict == "pass":
+                row.verdict = "fail"
+                ratio = row.local["local_rel_l2"] / max(row.local.get("local_floor", 0.0), 1e-30)
+                row.note = f"own error {ratio:.1f}x its local noise floor (isolated replay)"
     report.replay_origins = _innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report

@@ -80,6 +80,8 @@ def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
             prints = []
             for name, param in module.named_parameters(recurse=False):
                 summary = _param_print(name, param)
+                if summary.digest == 0:
+                    continue  # all zeros: computes nothing
                 digests.setdefault(id(param), summary.digest)
                 prints.append(summary)
             direct[path] = tuple(prints)
@@ -88,7 +90,7 @@ def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
         total, numel = 0, 0
         for param in module.parameters():
             digest = digests.get(id(param))
-            if digest is None:
+            if not digest:
                 continue
             total = (total + digest) & MASK
             numel += param.numel()
@@ -111,13 +113,15 @@ def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
 
 
 def element_hashes(values: torch.Tensor) -> torch.Tensor:
-    """A mixed 32-bit hash of each element's bfloat16 rounding (signed zero folded), same shape."""
+    """A mixed 32-bit hash of each element's bfloat16 rounding, same shape; zeros (either sign) hash to 0,
+    so an all-zero bias one implementation has and the other lacks changes no fingerprint."""
     bits = values.to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    bits = torch.where(bits == -32768, 0, bits)  # -0.0 is 0.0
+    zero = (bits == 0) | (bits == -32768)
     mixed = (bits + 0x5BD1E995) * _M1
     mixed = mixed ^ (mixed >> 15)
     mixed = mixed * _M2
-    return mixed ^ (mixed >> 13)
+    mixed = mixed ^ (mixed >> 13)
+    return mixed.masked_fill_(zero, 0)
 
 
 def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
@@ -129,7 +133,7 @@ def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
     for entry in raw:
         try:
             item = ModulePrint.from_json(entry)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             return {}  # a damaged fingerprint is no evidence; alignment falls back to order and names
         prints[item.path] = item
     return prints

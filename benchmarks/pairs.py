@@ -1,0 +1,117 @@
+"""Exact-origin table over pairs of independently written implementations, with zero alignment rules.
+
+    python benchmarks/pairs.py                 # every pair, site, kind and size, fp32 and bf16
+    python benchmarks/pairs.py --pairs gpt2 --dtypes float32 --sizes 0.01
+
+For each pair (``tests/pairs.py``) and candidate dtype, the clean candidate must pass; then an error is
+planted in the output of one candidate module at a time (scale, offset or noise of relative size 1e-2 or
+1e-3) and the named origin must be that module's true counterpart. Prints one row per pair and dtype,
+then every miss; ``--json`` writes the figures. Scratch traces go to a temporary directory that is
+removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model  # noqa: E402
+from tests.pairs import KINDS, PAIRS, planted, transformer_lens_available  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="*", default=list(PAIRS))
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--sizes", nargs="*", type=float, default=[1e-2, 1e-3])
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    missing = transformer_lens_available()
+    scratch = Path(tempfile.mkdtemp(prefix="paritylab-pairs-"))
+    results, misses = [], []
+    try:
+        for name in args.pairs:
+            if missing and name != "llava":
+                print(f"skip {name}: {missing}")
+                continue
+            for dtype_name in args.dtypes:
+                row, row_misses = run_pair(name, getattr(torch, dtype_name), args, scratch)
+                results.append(row)
+                misses += row_misses
+                print(
+                    f"{row['pair']:<28} {dtype_name:<9} clean={row['clean']:<5} exact {row['exact']}/{row['planted']}"
+                    f" ({100 * row['exact'] / max(1, row['planted']):.1f} %)  {row['seconds']:.0f} s",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for miss in misses:
+        print("miss:", miss)
+    total = sum(r["planted"] for r in results)
+    exact = sum(r["exact"] for r in results)
+    false_alarms = sum(r["clean"] != "pass" for r in results)
+    print(f"total: exact {exact}/{total} ({100 * exact / max(1, total):.1f} %), false alarms {false_alarms}")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "misses": misses}, indent=1))
+    return 0
+
+
+def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: Path) -> tuple[dict, list[str]]:
+    started = time.perf_counter()
+    case = PAIRS[name](dtype)
+    base = scratch / f"{name}-{dtype}".replace("torch.", "")
+    reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
+    low = low_precision(case.reference, case.candidate)
+    floors = None
+    if low is not None:
+        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
+    counter = 0
+
+    def judge(tag: str):
+        nonlocal counter
+        counter += 1
+        directory = base / f"{counter}-{tag}"
+        candidate_trace = trace_model(case.candidate, case.candidate_call, directory / "candidate")
+        report = compare_and_replay(
+            reference_trace, candidate_trace, case.candidate, case.candidate_call, directory, floors=floors
+        )
+        shutil.rmtree(directory, ignore_errors=True)
+        return report
+
+    clean = judge("clean")
+    row = {"pair": case.name, "dtype": str(dtype).removeprefix("torch."), "planted": 0, "exact": 0}
+    row["clean"] = "pass" if clean.passed and clean.first_divergence is None else "FAIL"
+    misses = []
+    if row["clean"] != "pass":
+        misses.append(f"{case.name} {row['dtype']} clean: {clean.first_divergence and clean.first_divergence.path}")
+    for site, expected in case.sites.items():
+        for kind in args.kinds:
+            for size in args.sizes:
+                with planted(case.candidate, site, kind, size):
+                    report = judge(f"{site}-{kind}-{size}")
+                named = report.first_divergence.path if report.first_divergence else None
+                row["planted"] += 1
+                if named in expected:
+                    row["exact"] += 1
+                else:
+                    verdict = "pass" if report.passed else "fail"
+                    misses.append(
+                        f"{case.name} {row['dtype']} {site} {kind} {size:g}: named {named!r} ({verdict}),"
+                        f" expected {expected[0]}"
+                    )
+    row["seconds"] = time.perf_counter() - started
+    return row, misses
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The parity check as plain functions: trace both sides, estimate noise floors, compare, replay.
+
+>>> report = paritylab.check(reference, candidate, "runs/gpt2", reference_call=lambda m: m(ids),
+...                          candidate_call=lambda m: m(ids))
+>>> report.first_divergence.path if report.first_divergence else "parity holds"
+
+Each phase is a function returning a value; :func:`check` chains them. The Hydra app runs the same
+functions, so the numbers a script gets are the numbers a configured run gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.alignment import Rule, align
+from paritylab.comparison import Report, compare_traces
+from paritylab.comparison import noise_floor as free_run_floor
+from paritylab.metrics import Tolerance, Tolerances, divergence
+from paritylab.replay import LOCAL_MULTIPLE, attach_replay, isolated_replay
+from paritylab.resident import converted_copy
+from paritylab.tracefile import Trace
+from paritylab.tracing import TraceOptions, Tracer
+
+Call = Callable[[nn.Module], Any]
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Floors:
+    """Numerical noise floors of the reference at a low precision, per reference call key.
+
+    ``free_run``: the whole reference at low precision against float64 (errors accumulated up to each
+    module). ``local``: each reference module at low precision fed the reference's own inputs (its own
+    error alone), the yardstick for a candidate module's isolated-replay error.
+    """
+
+    dtype: torch.dtype
+    free_run: dict[str, float]
+    local: dict[str, float]
+
+
+def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
+    """Trace ``call(model)`` into ``directory`` (tensors saved) and return the trace read back lazily."""
+    options.setdefault("save_tensors", True)
+    with Tracer(model, directory, TraceOptions(**options)):
+        call(model)
+    return Trace.load(directory)
+
+
+def low_precision(*models: nn.Module) -> torch.dtype | None:
+    """The lowest floating-point precision among the models' parameters (bfloat16/float16), if any."""
+    for model in models:
+        for parameter in model.parameters():
+            if parameter.dtype in LOW_PRECISION:
+                return parameter.dtype
+    return None
+
+
+def estimate_floors(
+    reference: nn.Module,
+    call: Call,
+    reference_trace: Trace,
+    dtype: torch.dtype,
+    directory: Path,
+    cast_inputs: Callable[[torch.dtype], Call] | None = None,
+) -> Floors:
+    """The reference's free-run and local noise floors at ``dtype`` (see :class:`Floors`).
+
+    ``cast_inputs(dtype)`` gives the call that runs a copy of the reference in ``dtype`` (floating-point
+    inputs cast); by default ``call`` itself is used for every copy.
+    """
+    runner = cast_inputs or (lambda _: call)
+    exact_model = converted_copy(reference, torch.float64)
+    exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
+    del exact_model
+    low_model = converted_copy(reference, dtype)
+    low = trace_model(low_model, runner(dtype), directory / "noise-low", capture=None)
+    alignment = align(reference_trace, low)
+    replayed = isolated_replay(
+        low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
+    )
+    local: dict[str, float] = {}
+    for pair in alignment.pairs:
+        ref_call, own = reference_trace.call(pair.reference), replayed.call(pair.candidate)
+        ref_value, own_value = _primary_value(reference_trace, ref_call), _primary_value(replayed, own)
+        if ref_value is None or own_value is None or ref_value.shape != own_value.shape:
+            continue
+        metrics = divergence(ref_value, own_value, Tolerance(0.0, 0.0))
+        if metrics["rel_l2"] == metrics["rel_l2"]:  # not NaN
+            local[pair.reference] = float(metrics["rel_l2"])
+    return Floors(dtype, free_run_floor(exact, low), local)
+
+
+def _primary_value(trace: Trace, call: Any) -> torch.Tensor | None:
+    from paritylab.alignment import primary_slot
+    from paritylab.values import iter_tensors
+
+    slot = primary_slot(call, None)
+    node = dict(iter_tensors(call.outputs, "outputs")).get(slot) if slot else None
+    return trace.tensor(node) if node is not None else None
+
+
+def check(
+    reference: nn.Module,
+    candidate: nn.Module,
+    directory: str | Path,
+    *,
+    reference_call: Call,
+    candidate_call: Call | None = None,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    noise_floor: str = "auto",
+    noise_multiple: float = 4.0,
+    local_multiple: float = LOCAL_MULTIPLE,
+    replay: bool = True,
+    cast_inputs: Callable[[torch.dtype], Call] | None = None,
+) -> Report:
+    """Trace both models, compare them module by module and name where divergence starts.
+
+    ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
+    to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
+    is judged against the reference's own error at that precision.
+    """
+    directory = Path(directory)
+    candidate_call = candidate_call or reference_call
+    reference_trace = trace_model(reference, reference_call, directory / "reference")
+    candidate_trace = trace_model(candidate, candidate_call, directory / "candidate")
+    dtype = low_precision(reference, candidate)
+    floors = None
+    if noise_floor == "on" or (noise_floor == "auto" and dtype is not None):
+        floors = estimate_floors(
+            reference, reference_call, reference_trace, dtype or torch.bfloat16, directory, cast_inputs
+        )
+    return compare_and_replay(
+        reference_trace,
+        candidate_trace,
+        candidate if replay else None,
+        candidate_call,
+        directory,
+        rules=rules,
+        tolerances=tolerances,
+        floors=floors,
+        noise_multiple=noise_multiple,
+        local_multiple=local_multiple,
+    )
+
+
+def compare_and_replay(
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    candidate: nn.Module | None,
+    candidate_call: Call,
+    directory: Path,
+    *,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    floors: Floors | None = None,
+    noise_multiple: float = 4.0,
+    local_multiple: float = LOCAL_MULTIPLE,
+) -> Report:
+    """Compare two traces, then (given the candidate model) replay it on the reference's values."""
+    report = compare_traces(
+        reference_trace,
+        candidate_trace,
+        rules=rules,
+        tolerances=tolerances,
+        noise_floor=floors.free_run if floors else None,
+        noise_multiple=noise_multiple,
+    )
+    if candidate is None or report.errors or not report.alignment.pairs:
+        return report
+    replayed = isolated_replay(
+        candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
+    )
+    local: Mapping[str, float] | None = floors.local if floors else None
+    attach_replay(report, reference_trace, replayed, tolerances, local, local_multiple)
+    return report

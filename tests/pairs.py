@@ -1,0 +1,187 @@
+"""Pairs of independently written implementations, with planting sites whose true counterpart is known.
+
+Each pair: a transformers reference, a candidate written by other people (TransformerLens) or by us (the
+LLaVA port), weights converted by the candidate library's own tools, and the forward call of each side
+(TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
+module(s) that compute the same thing: the answer a localisation must give when a bug is planted there.
+Used by ``tests/test_pairs.py`` and ``benchmarks/pairs.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PairCase:
+    name: str
+    reference: nn.Module
+    candidate: nn.Module
+    reference_call: Callable[[nn.Module], Any]
+    candidate_call: Callable[[nn.Module], Any]
+    sites: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cast_inputs: Callable[[torch.dtype], Callable[[nn.Module], Any]] | None = None
+
+
+def transformer_lens_available() -> str | None:
+    """Why the TransformerLens pairs cannot run here, or None when they can."""
+    try:
+        from transformer_lens import HookedTransformer  # noqa: F401
+    except Exception as error:  # ImportError, or a dependency that fails to import beside this torch
+        return f"TransformerLens 3.x is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
+def _ids(vocab: int, length: int = 12, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers GPT2LMHeadModel against TransformerLens' HookedTransformer (converted by TransformerLens)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=64)
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = GPT2LMHeadModel(config).eval()
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64,
+        act_fn="gelu_new", normalization_type="LN", default_prepend_bos=False, dtype=dtype,
+        original_architecture="GPT2LMHeadModel",
+    )  # fmt: skip
+    candidate = HookedTransformer(tl_config)
+    candidate.load_and_process_state_dict(
+        convert_gpt2_weights(reference, tl_config), fold_ln=False, center_writing_weights=False,
+        center_unembed=False, fold_value_biases=False,
+    )  # fmt: skip
+    candidate.eval()
+    ids = _ids(256)
+    sites = {
+        "embed": ("transformer.wte",),
+        "pos_embed": ("transformer.wpe",),
+        "ln_final": ("transformer.ln_f",),
+        "unembed": ("lm_head",),
+    }
+    for i in range(layers):
+        sites |= {
+            f"blocks.{i}.ln1": (f"transformer.h.{i}.ln_1",),
+            f"blocks.{i}.attn": (f"transformer.h.{i}.attn",),
+            f"blocks.{i}.ln2": (f"transformer.h.{i}.ln_2",),
+            f"blocks.{i}.mlp": (f"transformer.h.{i}.mlp",),
+        }
+    return PairCase("gpt2/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
+def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers LlamaForCausalLM (grouped-query attention) against TransformerLens' HookedTransformer."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = LlamaForCausalLM(config).eval()
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, n_key_value_heads=2, d_mlp=176, d_vocab=256,
+        n_ctx=64, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=16,
+        rotary_adjacent_pairs=False, gated_mlp=True, final_rms=True, eps=1e-6, rotary_base=10000,
+        default_prepend_bos=False, dtype=dtype, original_architecture="LlamaForCausalLM",
+    )  # fmt: skip
+    candidate = HookedTransformer(tl_config)
+    candidate.load_and_process_state_dict(
+        convert_llama_weights(reference, tl_config), fold_ln=False, center_writing_weights=False,
+        center_unembed=False, fold_value_biases=False,
+    )  # fmt: skip
+    candidate.eval()
+    ids = _ids(256)
+    sites = {"embed": ("model.embed_tokens",), "ln_final": ("model.norm",), "unembed": ("lm_head",)}
+    for i in range(layers):
+        sites |= {
+            f"blocks.{i}.ln1": (f"model.layers.{i}.input_layernorm",),
+            f"blocks.{i}.attn": (f"model.layers.{i}.self_attn",),
+            f"blocks.{i}.ln2": (f"model.layers.{i}.post_attention_layernorm",),
+            f"blocks.{i}.mlp": (f"model.layers.{i}.mlp",),
+        }
+    return PairCase(
+        "llama-gqa/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites
+    )
+
+
+def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
+    """transformers LlavaForConditionalGeneration against our from-scratch port (positional forward)."""
+    from experiments.llava_port import from_reference
+    from paritylab.references import llava
+    from tests.helpers import llava_inputs
+
+    reference = llava()
+    candidate = from_reference(reference).to(dtype)
+    inputs = llava_inputs(reference)
+    ids, pixels = inputs["input_ids"], inputs["pixel_values"]
+
+    def cast(to: torch.dtype) -> Callable[[nn.Module], Any]:
+        return lambda m: m(input_ids=ids, pixel_values=pixels.to(to))
+
+    sites = {
+        "vit.patch_embed": ("model.vision_tower.embeddings.patch_embedding",),
+        "vit.ln_pre": ("model.vision_tower.pre_layrnorm",),
+        "vit.blocks.0.ln1": ("model.vision_tower.encoder.layers.0.layer_norm1",),
+        "vit.blocks.0.attn.wq": ("model.vision_tower.encoder.layers.0.self_attn.q_proj",),
+        "vit.blocks.0.attn.wo": ("model.vision_tower.encoder.layers.0.self_attn.out_proj",),
+        "vit.blocks.0.mlp.1": ("model.vision_tower.encoder.layers.0.mlp.activation_fn",),
+        "vit.blocks.0.mlp.2": ("model.vision_tower.encoder.layers.0.mlp.fc2",),
+        "mm_projector.0": ("model.multi_modal_projector.linear_1",),
+        "llm.tok_embeddings": ("model.language_model.embed_tokens",),
+        "llm.layers.0.attention_norm": ("model.language_model.layers.0.input_layernorm",),
+        "llm.layers.0.attention.wo": ("model.language_model.layers.0.self_attn.o_proj",),
+        "llm.layers.1.ffn_norm": ("model.language_model.layers.1.post_attention_layernorm",),
+        "llm.layers.1.feed_forward.w2": ("model.language_model.layers.1.mlp.down_proj",),
+        "llm.norm": ("model.language_model.norm",),
+        "llm.output": ("lm_head",),
+    }
+    return PairCase(
+        "llava/port", reference, candidate, cast(torch.float32), lambda m: m(ids, pixels.to(dtype)), sites, cast
+    )
+
+
+PAIRS: dict[str, Callable[..., PairCase]] = {"gpt2": gpt2, "llama": llama, "llava": llava_port}
+KINDS = ("scale", "offset", "noise")
+
+
+@contextmanager
+def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) -> Iterator[None]:
+    """An error of relative ``size`` in the output of one module: ``scale`` (×(1+size)), ``offset`` (+size·std)
+    or ``noise`` (+size·std·N(0,1), seeded)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        value = output[0] if isinstance(output, tuple) else output
+        if kind == "scale":
+            changed = value * (1 + size)
+        else:
+            std = value.detach().float().std().to(value.dtype)
+            if kind == "offset":
+                changed = value + size * std
+            else:
+                generator = torch.Generator(device=value.device).manual_seed(seed)
+                noise = torch.randn(value.shape, generator=generator, device=value.device).to(value.dtype)
+                changed = value + size * std * noise
+        return (changed, *output[1:]) if isinstance(output, tuple) else changed
+
+    handle = model.get_submodule(path).register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()

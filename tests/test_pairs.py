@@ -1,0 +1,76 @@
+"""Independently written implementations, aligned with zero user rules: clean pairs pass, planted bugs
+are named at their true counterpart. The full table (every kind and size, fp32 and bf16) is
+``benchmarks/pairs.py``; this runs a representative slice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from tests.pairs import PAIRS, planted, transformer_lens_available
+
+_MISSING = transformer_lens_available()
+PAIR_NAMES = [
+    pytest.param(name, marks=pytest.mark.skipif(name != "llava" and _MISSING is not None, reason=_MISSING or ""))
+    for name in PAIRS
+]
+
+
+def _judge(case, tmp_path, tag, reference_trace, floors=None):
+    candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / tag / "candidate")
+    return compare_and_replay(
+        reference_trace, candidate_trace, case.candidate, case.candidate_call, tmp_path / tag, floors=floors
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", PAIR_NAMES)
+def test_clean_pair_passes_with_zero_rules(name, dtype, tmp_path):
+    case = PAIRS[name](dtype)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = None
+    low = low_precision(case.reference, case.candidate)
+    if low is not None:
+        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, tmp_path, case.cast_inputs)
+    report = _judge(case, tmp_path, "clean", reference_trace, floors)
+    assert report.passed and report.first_divergence is None, [(r.path, r.note) for r in report.failing]
+    pairs = report.alignment.by_reference()
+    for candidate_path, expected in case.sites.items():  # every site's true counterpart is what was paired
+        found = [p for p in pairs.values() if p.candidate == f"{candidate_path}#0"]
+        assert [p.reference.rsplit("#", 1)[0] for p in found] == [expected[0]], candidate_path
+    for candidate_path in case.sites:  # modules holding weights are paired by their weights, not their place
+        if any(True for _ in case.candidate.get_submodule(candidate_path).parameters()):
+            pair = next(p for p in pairs.values() if p.candidate == f"{candidate_path}#0")
+            assert pair.source in ("structure", "identity"), (candidate_path, pair.source)
+
+
+@pytest.mark.parametrize("name", PAIR_NAMES)
+def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
+    case = PAIRS[name](torch.float32)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    missed = []
+    for number, (site, expected) in enumerate(case.sites.items()):
+        kind = ("scale", "offset", "noise")[number % 3]
+        with planted(case.candidate, site, kind, 1e-3):
+            report = _judge(case, tmp_path, f"{number}", reference_trace)
+        named = report.first_divergence.path if report.first_divergence else None
+        if named not in expected or report.passed:
+            missed.append((site, kind, named))
+    assert missed == []
+
+
+def test_a_bug_does_not_move_the_alignment(tmp_path):
+    """Structure decides pairs: a 5 % error in one module leaves every pair exactly where it was."""
+    if _MISSING:
+        pytest.skip(_MISSING)
+    case = PAIRS["llama"](torch.float32)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    clean = _judge(case, tmp_path, "clean", reference_trace)
+    with planted(case.candidate, "blocks.1.attn", "scale", 5e-2):
+        buggy = _judge(case, tmp_path, "buggy", reference_trace)
+    assert [(p.reference, p.candidate) for p in buggy.alignment.pairs] == [
+        (p.reference, p.candidate) for p in clean.alignment.pairs
+    ]
+    assert buggy.first_divergence.path == "model.layers.1.self_attn"
+    assert buggy.first_divergence.cause == "origin"
