@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model  # noqa: E402
-from tests.pairs import KINDS, PAIRS, planted, transformer_lens_available  # noqa: E402
+from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from tests.pairs import KINDS, PAIRS, planted, transformer_lens_available
 
 
 def main() -> int:
