@@ -32,8 +32,6 @@ DIVERGENCE_MARGIN = 4.0
 """A row diverges (for localisation) when its relative L2 error exceeds this multiple of ``rtol``."""
 JUMP = 10.0
 """A diverging row whose input already diverged still starts divergence if its error is this much larger."""
-LOCAL_MINIMUM = 1e-7
-"""With local noise floors (``floor_only``), a row never diverges below this relative error."""
 
 
 @dataclass
@@ -169,6 +167,7 @@ class Report:
             "replay_origins": [row.path for row in self.replay_origins],
             "first_divergence": self.first_divergence.path if self.first_divergence else None,
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
+            "culprit_reason": self.culprit_reason,
             "worst_rel_l2": worst.rel_l2 if worst else None,
             "worst_module": worst.path if worst else None,
             "output_module": output.path if output else None,
@@ -197,14 +196,11 @@ def compare_traces(
     tolerances: Tolerances | None = None,
     noise_floor: Mapping[str, float] | None = None,
     noise_multiple: float = NOISE_MULTIPLE,
-    floor_only: bool = False,
 ) -> Report:
     """Compare ``candidate`` against ``reference``.
 
     ``noise_floor`` maps reference call keys to the relative L2 error that precision alone causes there
-    (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes. With ``floor_only``
-    (local floors of an isolated replay) a row with a floor diverges above ``noise_multiple`` times it,
-    however small that is against the dtype's tolerance.
+    (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes.
     """
     alignment = alignment or align(reference, candidate, rules)
     tolerances = tolerances or Tolerances()
@@ -224,7 +220,7 @@ def compare_traces(
         other = candidate.call(pair.candidate)
         row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
-        _mark_divergence(row, noise_multiple, floor_only)
+        _mark_divergence(row, noise_multiple)
         rows.append(row)
     _infer_inputs(rows, reference)
     origins = _localise(rows, reference)
@@ -377,14 +373,13 @@ def relative_error(metrics: Mapping[str, float]) -> float | None:
     return max(relative) if relative else None
 
 
-def _mark_divergence(row: Row, noise_multiple: float, floor_only: bool = False) -> None:
+def _mark_divergence(row: Row, noise_multiple: float) -> None:
     if row.tolerance is None:
         row.diverged = row.verdict == "fail"
         return
     threshold = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
     if row.floor is not None:
-        local = noise_multiple * row.floor
-        threshold = max(local, LOCAL_MINIMUM) if floor_only else max(threshold, local)
+        threshold = max(threshold, noise_multiple * row.floor)
     nonfinite = any(row.metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
     out = relative_error(row.metrics)
     row.diverged = row.status in ("shape-mismatch", "error") or nonfinite or (out is not None and out > threshold)

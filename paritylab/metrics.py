@@ -126,7 +126,7 @@ def divergence(reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tole
     count = r.numel()
     if count == 0:
         return _empty(nan_mismatch, inf_mismatch)
-    err2, ref2, cand2, cross, max_abs, sum_abs, outside = sums
+    err2, ref2, cand2, cross, max_abs, sum_abs, outside, ref_diff, sum_diff = sums
     return {
         "max_abs": max_abs,
         "mean_abs": sum_abs / count,
@@ -138,6 +138,8 @@ def divergence(reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tole
         "inf_mismatch": float(inf_mismatch),
         "norm_bound": float(tolerance.atol * math.sqrt(count) + tolerance.rtol * math.sqrt(ref2)),
         "err_l2": math.sqrt(err2),
+        "scale_err": _ratio(ref_diff, ref2),
+        "offset_err": _ratio(sum_diff / count, math.sqrt(ref2 / count)),
     }
 
 
@@ -154,25 +156,25 @@ def _buffer(name: str, size: int, device: torch.device, dtype: torch.dtype = tor
 
 
 def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple[float, ...]:
-    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance), in float64.
+    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance, r·(c−r), Σ(c−r)), in float64.
 
     ``‖c‖²`` and ``r·c`` come from ``‖r‖²``, ``r·d`` and ``‖d‖²`` (``c = r + d``): one pass fewer, and
     exact enough in float64 since ``d`` is small wherever it matters.
     """
     device = r.device
     step = _CHUNK if device.type == "cpu" else max(1, r.numel())
-    totals = [0.0] * 7
+    totals = [0.0] * 9
     for start in range(0, r.numel(), step):
         size = min(step, r.numel() - start)
         r64 = _buffer("r", size, device)
         r64.copy_(r[start : start + size])
         diff = torch.sub(c[start : start + size], r64, out=_buffer("d", size, device))  # promoted to float64
         bound = torch.abs(r64, out=_buffer("t", size, device)).mul_(tolerance.rtol).add_(tolerance.atol)
-        dots = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(r64, diff)])
+        dots = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(r64, diff), diff.sum()])
         diff.abs_()
         outside = torch.gt(diff, bound, out=_buffer("g", size, device, torch.bool))
         summary = torch.stack([diff.max(), diff.sum(), torch.count_nonzero(outside).to(torch.float64)])
-        err2, ref2, ref_diff, max_abs, sum_abs, count = torch.cat([dots, summary]).tolist()
+        err2, ref2, ref_diff, sum_diff, max_abs, sum_abs, count = torch.cat([dots, summary]).tolist()
         totals[0] += err2
         totals[1] += ref2
         totals[2] += ref2 + 2 * ref_diff + err2
@@ -180,6 +182,8 @@ def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple
         totals[4] = max(totals[4], max_abs) if math.isfinite(max_abs) else max_abs
         totals[5] += sum_abs
         totals[6] += count
+        totals[7] += ref_diff
+        totals[8] += sum_diff
     return tuple(totals)
 
 

@@ -10,8 +10,8 @@ functions, so the numbers a script gets are the numbers a configured run gets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from paritylab.alignment import Rule, align
 from paritylab.comparison import Report, compare_traces
 from paritylab.comparison import noise_floor as free_run_floor
 from paritylab.metrics import Tolerance, Tolerances, divergence
-from paritylab.replay import LOCAL_MULTIPLE, attach_replay, isolated_replay
+from paritylab.replay import attach_replay, isolated_replay
 from paritylab.resident import converted_copy
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
@@ -36,13 +36,14 @@ class Floors:
     """Numerical noise floors of the reference at a low precision, per reference call key.
 
     ``free_run``: the whole reference at low precision against float64 (errors accumulated up to each
-    module). ``local``: each reference module at low precision fed the reference's own inputs (its own
-    error alone), the yardstick for a candidate module's isolated-replay error.
+    module). ``local_metrics``: each reference module at low precision fed the reference's own inputs (its
+    own error alone), the yardstick for a candidate module's isolated-replay error.
     """
 
     dtype: torch.dtype
     free_run: dict[str, float]
-    local: dict[str, float]
+    local_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The reference's own low-precision replay metrics per call key (``rel_l2``, ``scale_err``, ...)."""
 
 
 def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
@@ -85,7 +86,7 @@ def estimate_floors(
     replayed = isolated_replay(
         low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
     )
-    local: dict[str, float] = {}
+    local_metrics: dict[str, dict[str, float]] = {}
     for pair in alignment.pairs:
         ref_call, own = reference_trace.call(pair.reference), replayed.call(pair.candidate)
         ref_value, own_value = _primary_value(reference_trace, ref_call), _primary_value(replayed, own)
@@ -93,8 +94,8 @@ def estimate_floors(
             continue
         metrics = divergence(ref_value, own_value, Tolerance(0.0, 0.0))
         if metrics["rel_l2"] == metrics["rel_l2"]:  # not NaN
-            local[pair.reference] = float(metrics["rel_l2"])
-    return Floors(dtype, free_run_floor(exact, low), local)
+            local_metrics[pair.reference] = metrics
+    return Floors(dtype, free_run_floor(exact, low), local_metrics)
 
 
 def _primary_value(trace: Trace, call: Any) -> torch.Tensor | None:
@@ -117,7 +118,6 @@ def check(
     tolerances: Tolerances | None = None,
     noise_floor: str = "auto",
     noise_multiple: float = 4.0,
-    local_multiple: float = LOCAL_MULTIPLE,
     replay: bool = True,
     cast_inputs: Callable[[torch.dtype], Call] | None = None,
 ) -> Report:
@@ -147,7 +147,6 @@ def check(
         tolerances=tolerances,
         floors=floors,
         noise_multiple=noise_multiple,
-        local_multiple=local_multiple,
     )
 
 
@@ -162,7 +161,6 @@ def compare_and_replay(
     tolerances: Tolerances | None = None,
     floors: Floors | None = None,
     noise_multiple: float = 4.0,
-    local_multiple: float = LOCAL_MULTIPLE,
 ) -> Report:
     """Compare two traces, then (given the candidate model) replay it on the reference's values."""
     report = compare_traces(
@@ -178,6 +176,6 @@ def compare_and_replay(
     replayed = isolated_replay(
         candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
     )
-    local: Mapping[str, float] | None = floors.local if floors else None
-    attach_replay(report, reference_trace, replayed, tolerances, local, local_multiple)
+    local = floors.local_metrics if floors else None
+    attach_replay(report, reference_trace, replayed, tolerances, local)
     return report

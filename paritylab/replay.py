@@ -24,9 +24,6 @@ from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.values import iter_tensors
 
-LOCAL_MULTIPLE = 8.0
-"""With local noise floors, a module's own error diverges above this multiple of its floor."""
-
 
 @dataclasses.dataclass
 class _Replacement:
@@ -144,26 +141,17 @@ def attach_replay(
     reference: Trace,
     replay: Trace,
     tolerances: Tolerances | None = None,
-    local_floor: Mapping[str, float] | None = None,
-    noise_multiple: float = LOCAL_MULTIPLE,
+    local_floor: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Report:
     """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification,
     and name one culprit from the free run and the replay together; returns the replay's comparison.
 
-    ``local_floor`` (low-precision runs) maps reference call keys to the error the reference module itself
-    makes at the candidate's precision on the reference's exact input: a module's own error is judged
-    against ``noise_multiple`` times that, not against the dtype's tolerance, so a 1 % error in one module
-    of a bfloat16 candidate can be found where it stands out of that module's own rounding.
+    ``local_floor`` (low-precision runs) maps reference call keys to the metrics of the reference module
+    itself at the candidate's precision on the reference's exact input (:func:`paritylab.parity.estimate_floors`).
+    A module's own error is then judged against that, not against the dtype's wide tolerance: see
+    :func:`beyond_floor`. Such a module fails the run.
     """
-    replay_report = compare_traces(
-        reference,
-        replay,
-        alignment=report.alignment,
-        tolerances=tolerances,
-        noise_floor=local_floor,
-        noise_multiple=noise_multiple,
-        floor_only=local_floor is not None,
-    )
+    replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
     local_rows = {row.index: row for row in replay_report.rows}
     for row in report.rows:
         local = local_rows.get(row.index)
@@ -172,23 +160,53 @@ def attach_replay(
             continue
         inherited = relative_error(row.input_metrics)
         output = relative_error(row.metrics)
-        row.local = {"local_rel_l2": own, "local_diverged": float(local.diverged)}
-        if local.floor is not None:
-            row.local["local_floor"] = local.floor
+        floor = (local_floor or {}).get(row.reference.key)
+        reason = beyond_floor(local.metrics, floor, row.reference.dtype) if floor is not None else None
+        diverged = local.diverged if floor is None else reason is not None
+        row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
+        if floor is not None:
+            row.local["local_floor"] = floor["rel_l2"]
         if inherited is not None:
             row.local["inherited_rel_l2"] = inherited
         if output is not None and inherited:
             row.local["amplification"] = output / inherited
+        if reason and row.verdict == "pass" and row.status != "identity":
+            row.verdict, row.note = "fail", f"{reason} (isolated replay)"
     own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
-    if local_floor is not None:  # a module's own error beyond its local floor fails, however small against bf16
-        for row in own_errors:
-            if row.verdict == "pass":
-                row.verdict = "fail"
-                ratio = row.local["local_rel_l2"] / max(row.local.get("local_floor", 0.0), 1e-30)
-                row.note = f"own error {ratio:.1f}x its local noise floor (isolated replay)"
     report.replay_origins = _innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
+
+
+REL_MULTIPLE = 4.5
+"""A module's own error diverges beyond this multiple of its local noise floor (independent implementations
+of one module at bfloat16 were measured up to 3.2x apart) ..."""
+SYSTEMATIC_MULTIPLE = 12.0
+"""... or when its error's systematic part, along the output (a gain) or constant (an offset), exceeds
+this multiple of the reference's own (measured up to 5.3x on clean pairs; a 1 % error gives 30x or more)."""
+_MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4}
+"""Smallest local floor assumed per dtype: a quarter of its machine epsilon (exact reference modules)."""
+
+
+def beyond_floor(metrics: Mapping[str, float], floor: Mapping[str, float], dtype: str | None) -> str | None:
+    """Why a module's own low-precision error is more than rounding, or ``None`` when it is not.
+
+    Rounding error is unbiased: it has no part along the output and no constant part beyond what the
+    reference's own rounding shows, while a wrong scale, offset, eps or activation has one. Noise-like
+    errors can only be told from rounding by their size.
+    """
+    if metrics.get("nan_mismatch") or metrics.get("inf_mismatch"):
+        return "NaN/Inf the reference does not produce"
+    rel_floor = max(floor.get("rel_l2", 0.0), _MIN_FLOOR.get(dtype or "", 0.0), 1e-12)
+    rel = metrics.get("rel_l2", 0.0) / rel_floor
+    if rel > REL_MULTIPLE:
+        return f"own error {rel:.1f}x its local noise floor"
+    noise = 0.05 * rel_floor
+    for name, what in (("scale_err", "gain"), ("offset_err", "offset")):
+        ratio = abs(metrics.get(name, 0.0)) / max(abs(floor.get(name, 0.0)), noise)
+        if ratio > SYSTEMATIC_MULTIPLE:
+            return f"systematic {what} of {metrics[name]:+.2%}, {ratio:.0f}x the reference's own rounding"
+    return None
 
 
 def _innermost(rows: list[Row], everything: list[Row]) -> list[Row]:

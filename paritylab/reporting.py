@@ -54,8 +54,11 @@ def headline(report: Report) -> str:
         return f"PASS: {summary['passed']} modules within tolerance (output rel_l2 {fmt(summary['output_rel_l2'])})"
     first = report.first_divergence
     where = display_path(first.path) if first else "?"
+    own = first.local.get("local_rel_l2") if first else None
+    error = f"own error {fmt(own)}" if own is not None else f"rel_l2 {fmt(first.rel_l2 if first else None)}"
+    why = f": {report.culprit_reason}" if report.culprit_reason else ""
     return (
-        f"FAIL: divergence starts at {where} (rel_l2 {fmt(first.rel_l2 if first else None)}); "
+        f"FAIL: divergence starts at {where} ({error}){why}; "
         f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
     )
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from paritylab.alignment import Rule, load_rules
 from paritylab.candidates import Candidate, build_candidate, instantiate, resolve_path
-from paritylab.comparison import Report, compare_traces, noise_floor
+from paritylab.comparison import Report, compare_traces
 from paritylab.config import ConfigError, check_targets, one_line
 from paritylab.history import (
     Regression,
@@ -41,17 +41,17 @@ from paritylab.history import (
 )
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
+from paritylab.parity import Floors, estimate_floors, low_precision
 from paritylab.plots import LAYER, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
-from paritylab.resident import available_memory, converted_copy, model_bytes, offload, release_freed_memory
+from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.sweep import sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
 
@@ -177,18 +177,18 @@ class _Session:
         cand_trace = self._trace("candidate", candidate.model, inputs)
         if one_resident:
             self._offload("candidate", candidate.model)
-        floors = self._noise_floor(reference, candidate.model, inputs)
+        floors = self._noise_floor(reference, candidate.model, inputs, ref_trace)
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
         report = compare_traces(
-            ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors,
+            ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors.free_run if floors else None,
             noise_multiple=float(cfg.compare.noise_multiple),
         )  # fmt: skip
         self.report = report
         self._write_report()
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
-            self._replay(candidate.model.to(self.device), inputs, ref_trace, cand_trace, tolerances)
+            self._replay(candidate.model.to(self.device), inputs, ref_trace, cand_trace, tolerances, floors)
         self._write_report()
         self.echo(to_console(report))
         return EXIT_PASS if report.passed else (EXIT_ERROR if report.errors else EXIT_FAIL)
@@ -267,23 +267,22 @@ class _Session:
             self.echo(f"paritylab: weight parity fails before any forward: {'; '.join(problems)}")
 
     def _noise_floor(
-        self, reference: nn.Module, candidate: nn.Module, inputs: dict[str, torch.Tensor]
-    ) -> dict[str, float] | None:
+        self, reference: nn.Module, candidate: nn.Module, inputs: dict[str, torch.Tensor], ref_trace: Trace
+    ) -> Floors | None:
         mode = str(self.cfg.compare.noise_floor)
-        dtypes = {_dtype_of(reference), _dtype_of(candidate)}
-        low = next((dtype for dtype in LOW_PRECISION if dtype in dtypes), None)
+        low = low_precision(reference, candidate)
         if mode == "off" or (mode == "auto" and low is None):
             return None
         low = low or torch.bfloat16
-        self.echo(f"paritylab: estimating the noise floor (float64 vs {str(low).removeprefix('torch.')})")
-        traces = []
-        for name, dtype in (("noise-float64", torch.float64), ("noise-low", low)):
-            model = converted_copy(reference, dtype, self.device)
-            with Tracer(model, self.directory / name, TraceOptions(save_tensors=True, capture=None)):
-                model(**_cast_floats(inputs, dtype))
-            traces.append(Trace.load(self.directory / name))
-            del model
-        return noise_floor(traces[0], traces[1])
+        self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
+        return estimate_floors(
+            reference,
+            lambda m: m(**inputs),
+            ref_trace,
+            low,
+            self.directory,
+            lambda dtype: lambda m: m(**_cast_floats(inputs, dtype)),
+        )
 
     def _rules(self, candidate: Candidate) -> list[Rule]:
         extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
@@ -296,6 +295,7 @@ class _Session:
         reference: Trace,
         candidate: Trace,
         tolerances: Tolerances,
+        floors: Floors | None,
     ) -> None:
         from paritylab.replay import attach_replay, isolated_replay
 
@@ -304,7 +304,7 @@ class _Session:
         replay = isolated_replay(
             model, lambda m: m(**inputs), reference, candidate, self.report.alignment, self.directory / "replay"
         )
-        attach_replay(self.report, reference, replay, tolerances)
+        attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
 
     # -- outputs --------------------------------------------------------------------------------------------
 
@@ -524,11 +524,6 @@ def _device(cfg: DictConfig) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available here: use device=cpu or device=auto")
     return device
-
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    parameter = next(model.parameters(), None)
-    return parameter.dtype if parameter is not None else torch.float32
 
 
 def _cast_floats(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

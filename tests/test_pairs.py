@@ -74,3 +74,23 @@ def test_a_bug_does_not_move_the_alignment(tmp_path):
     ]
     assert buggy.first_divergence.path == "model.layers.1.self_attn"
     assert buggy.first_divergence.cause == "origin"
+
+
+@pytest.mark.parametrize("name", PAIR_NAMES)
+def test_one_percent_gain_or_offset_in_a_bf16_candidate_is_named(name, tmp_path):
+    """bf16 free-run tolerances hide 1 % errors; the isolated replay judged against the reference's own bf16
+    rounding of that module (its systematic part and its size) finds and names them."""
+    case = PAIRS[name](torch.bfloat16)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
+    )
+    missed = []
+    for number, (site, expected) in enumerate(case.sites.items()):
+        kind = ("scale", "offset")[number % 2]
+        with planted(case.candidate, site, kind, 1e-2):
+            report = _judge(case, tmp_path, f"{number}", reference_trace, floors)
+        named = report.first_divergence.path if report.first_divergence else None
+        if named not in expected or report.passed:
+            missed.append((site, kind, named))
+    assert missed == []
