@@ -225,7 +225,7 @@ def compare_traces(
     _infer_inputs(rows, reference)
     origins = _localise(rows, reference)
     first, reason = None, ""
-    if origins:
+    if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
         if first.status == "unmatched":
             reason = "divergence starts inside this module, which has no counterpart in the candidate"

@@ -173,6 +173,10 @@ def attach_replay(
         if reason and row.verdict == "pass" and row.status != "identity":
             row.verdict, row.note = "fail", f"{reason} (isolated replay)"
     own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
+    for row in report.origins:  # relative error beyond the margin, hidden under atol, and confirmed as its own
+        if row.verdict == "pass" and row.local.get("local_diverged"):
+            row.verdict = "fail"
+            row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = _innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
@@ -234,6 +238,9 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
     - with no free-run origin, the replay's earliest own error is the culprit when the run fails.
     """
     first = report.origins[0] if report.origins else None
+    if first is not None and report.first_divergence is None and not report.passed:
+        report.first_divergence = first
+        report.culprit_reason = "the earliest module whose output diverges while its input agrees"
     replayed = report.replay_origins
     if not replayed or (first is not None and first.status == "unmatched"):
         return

@@ -94,3 +94,54 @@ def test_one_percent_gain_or_offset_in_a_bf16_candidate_is_named(name, tmp_path)
         if named not in expected or report.passed:
             missed.append((site, kind, named))
     assert missed == []
+
+
+def _eps(model):
+    model.blocks[0].ln2.eps = 1e-2
+
+
+def _gelu_variant(model):
+    model.blocks[0].mlp.act_fn = torch.nn.functional.gelu  # exact gelu where GPT-2 uses the tanh approximation
+
+
+def _attention_scale(model):
+    model.blocks[1].attn.attn_scale = model.blocks[1].attn.attn_scale * 1.1
+
+
+def _missing_norm(model):
+    model.blocks[1].ln2 = torch.nn.Identity()
+
+
+def _rotary_base(model):
+    attention = model.blocks[0].attn
+    sin, cos = attention.calculate_sin_cos_rotary(
+        attention.cfg.rotary_dim, attention.cfg.n_ctx, base=500000, dtype=attention.rotary_sin.dtype
+    )
+    attention.rotary_sin.copy_(sin)
+    attention.rotary_cos.copy_(cos)
+
+
+CODE_BUGS = [
+    ("gpt2", _eps, "transformer.h.0.ln_2"),
+    ("gpt2", _gelu_variant, "transformer.h.0.mlp"),
+    ("gpt2", _attention_scale, "transformer.h.1.attn"),
+    ("gpt2", _missing_norm, "transformer.h.1.ln_2"),
+    ("llama", _eps, "model.layers.0.post_attention_layernorm"),
+    ("llama", _rotary_base, "model.layers.0.self_attn"),
+    ("llama", _attention_scale, "model.layers.1.self_attn"),
+    ("llama", _missing_norm, "model.layers.1.post_attention_layernorm"),
+]
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+@pytest.mark.parametrize(("name", "bug", "expected"), CODE_BUGS, ids=[f"{n}-{b.__name__[1:]}" for n, b, _ in CODE_BUGS])
+def test_code_level_bugs_are_named_exactly(name, bug, expected, tmp_path):
+    """Bugs in the candidate's code, not its outputs: a norm's eps, an activation variant, an attention scale,
+    a rotary base, a norm left out (no counterpart: the unmatched module is named, not its consumer)."""
+    case = PAIRS[name](torch.float32)
+    bug(case.candidate)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    report = _judge(case, tmp_path, "buggy", reference_trace)
+    assert not report.passed
+    assert report.first_divergence.path == expected, report.culprit_reason
+    assert report.origins[0] is report.first_divergence  # one culprit: the fields agree
