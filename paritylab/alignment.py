@@ -35,7 +35,7 @@ RESCUE_SCORE = 0.75
 MAX_RESCUE = 64
 """Out-of-order candidates examined per reference call (same output shape)."""
 MAX_CELLS = 250_000
-BAND = 256
+BAND = 128
 """Segments between anchors larger than ``MAX_CELLS`` cells are aligned within ``BAND`` of the diagonal."""
 
 
