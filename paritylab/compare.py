@@ -2,7 +2,8 @@
 
     python -m paritylab.compare REFERENCE_TRACE_DIR CANDIDATE_TRACE_DIR [--align rules.yaml] [--atol A --rtol R]
 
-Exit code 0 when parity holds, 1 when it does not, 2 on bad input (with a one-line reason on stderr).
+Exit code 0 when parity holds, 1 when it does not, 2 on bad input (with a one-line reason on stderr), 3 when
+nothing failed but some aligned output could not be compared by value (inconclusive: never a pass).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text(report), encoding="utf-8")
     if args.write_alignment is not None:
         args.write_alignment.write_text(report.alignment.to_yaml(), encoding="utf-8")
-    return 0 if report.passed else 1
+    return {"pass": 0, "fail": 1, "error": 2, "inconclusive": 3}[report.verdict]
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ NOISE_MULTIPLE = 4.0
 """With a noise floor, a row also passes when its error is at most this multiple of the floor."""
 DIVERGENCE_MARGIN = 4.0
 """A row diverges (for localisation) when its relative L2 error exceeds this multiple of ``rtol``."""
+NO_VALUES = "no values to compare"
 JUMP = 10.0
 """A diverging row whose input already diverged still starts divergence if its error is this much larger."""
 
@@ -132,8 +133,29 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """Parity holds: no failing row, and neither forward raised."""
-        return not self.failing and not self.errors
+        """Parity holds: no failing row, neither forward raised, and every aligned output was compared by value."""
+        return self.verdict == "pass"
+
+    @property
+    def verdict(self) -> str:
+        """``error`` (a forward raised), ``fail``, ``inconclusive`` (nothing failed, but some aligned output
+        could not be compared by value, or nothing was compared at all) or ``pass``."""
+        if self.errors:
+            return "error"
+        if self.failing:
+            return "fail"
+        if self.not_compared or not any(row.status == "compared" for row in self.rows):
+            return "inconclusive"
+        return "pass"
+
+    @property
+    def not_compared(self) -> list[Row]:
+        """Aligned rows judged without values: on statistics only, or with no values saved on a side."""
+        return [
+            row
+            for row in self.rows
+            if row.status == "stats-only" or (row.status == "missing" and row.note.startswith(NO_VALUES))
+        ]
 
     @property
     def failing(self) -> list[Row]:
@@ -158,8 +180,9 @@ class Report:
         worst = max((row for row in judged if row.rel_l2 is not None), key=lambda r: r.rel_l2 or 0.0, default=None)
         output = self.output_row
         return {
-            "verdict": "pass" if self.passed else "fail",
+            "verdict": self.verdict,
             "rows": len(self.rows),
+            "not_compared": len(self.not_compared),
             "passed": sum(row.verdict == "pass" for row in self.rows),
             "failed": len(self.failing),
             "skipped": sum(row.verdict == "skip" for row in self.rows),
@@ -352,7 +375,7 @@ def _judge(
         metrics = stats_divergence(ref_node["stats"], cand_node["stats"])
         return "stats-only", "pass" if stats_within(metrics, tolerance) else "fail", metrics, "judged on stats"
     reason = ref_node.get("skipped") or cand_node.get("skipped") or "values were not saved"
-    return "missing", "skip", {}, f"no values to compare: {reason}"
+    return "missing", "skip", {}, f"{NO_VALUES}: {reason}"
 
 
 def _apply_floor(row: Row, floor: float | None, multiple: float) -> None:

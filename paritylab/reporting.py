@@ -50,6 +50,15 @@ def headline(report: Report) -> str:
         side, error = next(iter(report.errors.items()))
         where = display_path(error.get("module") or "") if error.get("module") is not None else "?"
         return f"ERROR: the {side} forward raised {error.get('type')} in {where}: {error.get('message')}"
+    if report.verdict == "inconclusive":
+        missing = report.not_compared
+        if not missing:
+            return "INCONCLUSIVE: no aligned module was compared by value (empty or unmatched traces)"
+        reason = missing[0].note or "judged on statistics only"
+        return (
+            f"INCONCLUSIVE: nothing failed, but {len(missing)} aligned modules could not be compared by value "
+            f"(first {display_path(missing[0].path)}: {reason}); not a pass"
+        )
     if report.passed:
         return f"PASS: {summary['passed']} modules within tolerance (output rel_l2 {fmt(summary['output_rel_l2'])})"
     first = report.first_divergence

@@ -51,7 +51,8 @@ from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
 
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
 
@@ -191,7 +192,7 @@ class _Session:
             self._replay(candidate.model.to(self.device), inputs, ref_trace, cand_trace, tolerances, floors)
         self._write_report()
         self.echo(to_console(report))
-        return EXIT_PASS if report.passed else (EXIT_ERROR if report.errors else EXIT_FAIL)
+        return EXIT_CODES[report.verdict]
 
     def _build_reference(self) -> nn.Module:
         self.echo("paritylab: building the reference")
@@ -481,7 +482,7 @@ def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> Non
 def _verdict(report: Report | None, status: str) -> str:
     if status != "FINISHED" or report is None or report.errors:
         return "error"
-    return "pass" if report.passed else "fail"
+    return report.verdict
 
 
 def _description(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> str:

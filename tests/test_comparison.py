@@ -14,6 +14,7 @@ from paritylab.comparison import compare_traces, noise_floor
 from paritylab.metrics import Tolerance, Tolerances, divergence, within
 from paritylab.references import llava
 from paritylab.replay import attach_replay, isolated_replay
+from paritylab.reporting import headline
 from paritylab.weights import weight_parity
 from tests.helpers import llava_inputs, planted, traced
 from tests.tiny import tiny_llama, token_ids
@@ -287,16 +288,27 @@ def test_first_nonfinite_module_is_reported(tmp_path):
     assert row.metrics["nan_mismatch"] == 2 and math.isfinite(row.metrics["rel_l2"])
 
 
-def test_stats_only_traces_compare_on_stats(tmp_path):
+def test_stats_only_traces_are_inconclusive_never_a_pass(tmp_path):
     reference = traced(tiny_llama(), forward, tmp_path, save_tensors=False)
     same = traced(tiny_llama(), forward, tmp_path, save_tensors=False)
-    assert compare_traces(reference, same).passed
+    report = compare_traces(reference, same)
+    assert not report.passed and report.verdict == "inconclusive" and not report.failing
+    assert len(report.not_compared) == sum(row.status == "stats-only" for row in report.rows) > 0
+    assert headline(report).startswith("INCONCLUSIVE:") and "not a pass" in headline(report)
     model = tiny_llama()
     with planted(model, "model.layers.0.mlp", scale=1.1):
         buggy = traced(model, forward, tmp_path, save_tensors=False)
     report = compare_traces(reference, buggy)
     assert {row.status for row in report.rows} == {"stats-only"}
     assert report.first_divergence.path == "model.layers.0.mlp"
+    assert report.verdict == "fail"  # statistics alone prove this divergence
+
+
+def test_empty_traces_are_inconclusive(tmp_path):
+    from paritylab.tracefile import Trace
+
+    report = compare_traces(Trace(), Trace())
+    assert report.verdict == "inconclusive" and headline(report).startswith("INCONCLUSIVE: no aligned module")
 
 
 def test_rules_patterns_null_and_round_trip(tmp_path):

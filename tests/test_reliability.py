@@ -142,8 +142,10 @@ def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
 
 
 def test_byte_budget_through_the_app_keeps_stats_and_says_what_is_missing(tmp_path):
-    result, _ = run_with(tmp_path, "compare.max_bytes=20000", "compare.replay=false")
-    assert result.exit_code == 0
+    result, client = run_with(tmp_path, "compare.max_bytes=20000", "compare.replay=false")
+    assert result.exit_code == 3  # inconclusive: a run that could not see every value is never a PASS
+    assert json.loads((result.directory / "run.json").read_text())["verdict"] == "inconclusive"
+    assert client.get_run(result.run_id).data.tags["paritylab.verdict"] == "inconclusive"
     meta = Trace.load(result.directory / "reference").meta
     assert meta["storage"]["bytes"] <= 20000 and meta["storage"]["skipped"] > 0
     statuses = {row.status for row in result.report.rows if row.candidate}
@@ -388,3 +390,18 @@ def test_no_pickle_anywhere():
         assert "torch.save(" not in text, source
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (source, call)
+
+
+@pytest.mark.parametrize("scale", [1.0005, 1.5])
+def test_no_values_stored_is_never_a_pass(tmp_path, scale):
+    """max_bytes=0 stores no tensor: a wrong candidate is a FAIL when statistics prove it, else INCONCLUSIVE."""
+    result, _ = run_with(
+        tmp_path,
+        "compare.max_bytes=0",
+        "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+        "+candidate.ports.llava.build.module=llm.layers.0.attention.wo",
+        f"+candidate.ports.llava.build.scale={scale}",
+    )
+    assert result.exit_code in (1, 3) and result.report.verdict in ("fail", "inconclusive")
+    if scale > 1.1:
+        assert result.report.verdict == "fail"  # statistics alone prove it
