@@ -45,6 +45,7 @@ class Resident(enum.StrEnum):
 class InputKind(enum.StrEnum):
     synthetic = "synthetic"
     processor = "processor"
+    file = "file"
 
 
 class DType(enum.StrEnum):
@@ -52,6 +53,21 @@ class DType(enum.StrEnum):
     float64 = "float64"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+@dataclass
+class CallConfig:
+    """How a side's forward receives the named inputs; unset: read from the forward's signature."""
+
+    args: list[str] = field(default_factory=list)
+    """Input names passed positionally, in order (``[input_ids]`` for ``forward(idx)``)."""
+    kwargs: dict[str, str] = field(default_factory=dict)
+    """Forward parameter -> input name (``{tokens: input_ids}``). With neither set, the forward's
+    signature decides."""
+    drop: list[str] = field(default_factory=list)
+    """Inputs this side does not take."""
+    cast: bool = True
+    """Cast floating-point inputs to the side's parameter dtype."""
 
 
 @dataclass
@@ -63,6 +79,7 @@ class ModelConfig:
     """Input layout and port lookup key: ``llava``, ``llama`` or ``generic`` (token ids only)."""
     build: dict[str, Any] = MISSING
     """``_target_`` returning an ``nn.Module`` plus its keyword arguments (e.g. ``pretrained``)."""
+    call: CallConfig = field(default_factory=CallConfig)
 
 
 @dataclass
@@ -86,6 +103,7 @@ class CandidateConfig:
     rules: str | None = None
     weight_map: str | None = None
     ports: dict[str, PortConfig] = field(default_factory=dict)
+    call: CallConfig = field(default_factory=CallConfig)
 
 
 @dataclass
@@ -97,6 +115,8 @@ class InputsConfig:
     image: str | None = None
     """Image file for ``kind=processor`` (default: the sample image shipped with paritylab)."""
     prompt: str = "USER: <image>\nWhat is shown in this image? ASSISTANT:"
+    path: str | None = None
+    """``kind=file``: a safetensors file of named tensors (``input_ids``, ``pixel_values``, ...)."""
 
 
 @dataclass

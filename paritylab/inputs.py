@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paritylab.config import ConfigError
+from paritylab.workload import synthetic_inputs
 
 SAMPLE_IMAGE = Path(__file__).resolve().parent / "assets" / "sample.png"
 
@@ -21,15 +22,29 @@ def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None
         )
     if str(cfg.kind) == "processor":
         return processor_inputs(cfg, pretrained)
+    if str(cfg.kind) == "file":
+        return file_inputs(cfg.path)
     generator = torch.Generator().manual_seed(int(cfg.seed))
     config = getattr(model, "config", None)
     if family == "llava":
         return llava_inputs(config, cfg.batch_size, cfg.prompt_length, generator)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is None:
-        raise ConfigError(f"model.family={family!r}: synthetic inputs need a model config with vocab_size")
-    ids = torch.randint(0, vocab, (cfg.batch_size, cfg.prompt_length), generator=generator)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return synthetic_inputs(model, cfg.batch_size, cfg.prompt_length, generator)
+
+
+def file_inputs(path: str | None) -> dict[str, torch.Tensor]:
+    """Named tensors from a safetensors file (never a pickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path or not Path(path).is_file():
+        raise ConfigError(f"inputs=file needs inputs.path=<a safetensors file of named tensors>; got {path!r}")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"inputs.path={path!r} is not a readable safetensors file: {error}") from error
+    if not tensors:
+        raise ConfigError(f"inputs.path={path!r} holds no tensors: save named inputs such as input_ids")
+    return tensors
 
 
 def llava_inputs(config: Any, batch: int, length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

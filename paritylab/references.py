@@ -92,6 +92,35 @@ def llama(
     return _random_init(LlamaForCausalLM, config, seed, attn_implementation, dtype)
 
 
+def clip_vision(
+    pretrained: str | None = None,
+    *,
+    seed: int = 0,
+    hidden_size: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    image_size: int = 28,
+    patch_size: int = 14,
+    attn_implementation: str = "eager",
+    dtype: str = "float32",
+) -> nn.Module:
+    """``CLIPVisionModel``, a vision-only reference (pixels in, no vocabulary): real weights from ``pretrained``,
+    else a seeded random-init model of this size."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    if pretrained:
+        return _from_pretrained(CLIPVisionModel, pretrained, attn_implementation, dtype)
+    config = CLIPVisionConfig(
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
+    return _random_init(CLIPVisionModel, config, seed, attn_implementation, dtype)
+
+
 def _llama_intermediate(hidden_size: int) -> int:
     return int(8 * hidden_size / 3 + 7) // 8 * 8
 

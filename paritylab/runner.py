@@ -7,6 +7,7 @@ KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an err
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -50,6 +51,7 @@ from paritylab.sweep import sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
+from paritylab.workload import infer_call
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
@@ -168,17 +170,19 @@ class _Session:
         reference = self._build_reference()
         inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
-        ref_trace = self._trace("reference", reference, inputs)
+        ref_run = self._bind("model", reference, inputs)
+        ref_trace = self._trace("reference", reference, ref_run)
         one_resident = self._one_resident(reference)
         if one_resident:
             self._offload("reference", reference)
         candidate = build_candidate(cfg.candidate, cfg.model.family, reference)
         candidate.model.to(self.device)
         self._note_weights(candidate)
-        cand_trace = self._trace("candidate", candidate.model, inputs)
+        cand_run = self._bind("candidate", candidate.model, inputs)
+        cand_trace = self._trace("candidate", candidate.model, cand_run)
         if one_resident:
             self._offload("candidate", candidate.model)
-        floors = self._noise_floor(reference, candidate.model, inputs, ref_trace)
+        floors = self._noise_floor(reference, candidate.model, ref_run, ref_trace)
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
@@ -189,7 +193,7 @@ class _Session:
         self.report = report
         self._write_report()
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
-            self._replay(candidate.model.to(self.device), inputs, ref_trace, cand_trace, tolerances, floors)
+            self._replay(candidate.model.to(self.device), cand_run, ref_trace, cand_trace, tolerances, floors)
         self._write_report()
         self.echo(to_console(report))
         return EXIT_CODES[report.verdict]
@@ -199,7 +203,17 @@ class _Session:
         model = instantiate("model.build", self.cfg.model.build, None)
         return model.to(self.device)
 
-    def _trace(self, side: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Trace:
+    def _bind(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
+        """The side's forward call: its ``call`` config checked against the forward, else read from it."""
+        call = self.cfg[key].call
+        given = bool(call.args or call.kwargs)
+        args, kwargs = (list(call.args), dict(call.kwargs)) if given else (None, None)
+        spec = infer_call(model, inputs, key, args, kwargs, list(call.drop))
+        spec = dataclasses.replace(spec, cast=bool(call.cast))
+        self.notes.append(f"{key}: {spec.describe()}")
+        return spec.bind(inputs)
+
+    def _trace(self, side: str, model: nn.Module, run: Callable[[nn.Module], Any]) -> Trace:
         from tqdm.auto import tqdm
 
         self.echo(f"paritylab: tracing the {side}")
@@ -215,7 +229,7 @@ class _Session:
         tracer = Tracer(model, self.directory / side, options)
         try:
             with tracer, bar:
-                model(**inputs)
+                run(model)
         except Exception as error:
             self._compare_partial(side, error)
             raise
@@ -268,7 +282,7 @@ class _Session:
             self.echo(f"paritylab: weight parity fails before any forward: {'; '.join(problems)}")
 
     def _noise_floor(
-        self, reference: nn.Module, candidate: nn.Module, inputs: dict[str, torch.Tensor], ref_trace: Trace
+        self, reference: nn.Module, candidate: nn.Module, run: Callable[[nn.Module], Any], ref_trace: Trace
     ) -> Floors | None:
         mode = str(self.cfg.compare.noise_floor)
         low = low_precision(reference, candidate)
@@ -276,14 +290,7 @@ class _Session:
             return None
         low = low or torch.bfloat16
         self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
-        return estimate_floors(
-            reference,
-            lambda m: m(**inputs),
-            ref_trace,
-            low,
-            self.directory,
-            lambda dtype: lambda m: m(**_cast_floats(inputs, dtype)),
-        )
+        return estimate_floors(reference, run, ref_trace, low, self.directory)
 
     def _rules(self, candidate: Candidate) -> list[Rule]:
         extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
@@ -292,7 +299,7 @@ class _Session:
     def _replay(
         self,
         model: nn.Module,
-        inputs: dict[str, torch.Tensor],
+        run: Callable[[nn.Module], Any],
         reference: Trace,
         candidate: Trace,
         tolerances: Tolerances,
@@ -302,9 +309,7 @@ class _Session:
 
         assert self.report is not None
         self.echo("paritylab: isolated replay")
-        replay = isolated_replay(
-            model, lambda m: m(**inputs), reference, candidate, self.report.alignment, self.directory / "replay"
-        )
+        replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
         attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
 
     # -- outputs --------------------------------------------------------------------------------------------
@@ -525,10 +530,6 @@ def _device(cfg: DictConfig) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available here: use device=cpu or device=auto")
     return device
-
-
-def _cast_floats(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in inputs.items()}
 
 
 def _hydra_dir() -> str | None:

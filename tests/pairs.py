@@ -83,7 +83,7 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
 
 def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers LlamaForCausalLM (grouped-query attention) against TransformerLens' HookedTransformer."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens import HookedTransformer
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,12 +95,7 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         reference = LlamaForCausalLM(config).eval()
-    tl_config = HookedTransformerConfig(
-        n_layers=layers, d_model=64, d_head=16, n_heads=4, n_key_value_heads=2, d_mlp=176, d_vocab=256,
-        n_ctx=64, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=16,
-        rotary_adjacent_pairs=False, gated_mlp=True, final_rms=True, eps=1e-6, rotary_base=10000,
-        default_prepend_bos=False, dtype=dtype, original_architecture="LlamaForCausalLM",
-    )  # fmt: skip
+    tl_config = transformer_lens_config(config, dtype)
     candidate = HookedTransformer(tl_config)
     candidate.load_and_process_state_dict(
         convert_llama_weights(reference, tl_config), fold_ln=False, center_writing_weights=False,
@@ -155,6 +150,21 @@ def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     return PairCase(
         "llava/port", reference, candidate, cast(torch.float32), lambda m: m(ids, pixels.to(dtype)), sites, cast
     )
+
+
+def transformer_lens_config(config: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """TransformerLens' configuration of a transformers ``LlamaConfig`` (rotary, RMS norms, gated MLP, GQA)."""
+    from transformer_lens import HookedTransformerConfig
+
+    head = config.hidden_size // config.num_attention_heads
+    return HookedTransformerConfig(
+        n_layers=config.num_hidden_layers, d_model=config.hidden_size, d_head=head,
+        n_heads=config.num_attention_heads, n_key_value_heads=config.num_key_value_heads,
+        d_mlp=config.intermediate_size, d_vocab=config.vocab_size, n_ctx=64, act_fn="silu",
+        normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=head, rotary_adjacent_pairs=False,
+        gated_mlp=True, final_rms=True, eps=config.rms_norm_eps, rotary_base=10000, default_prepend_bos=False,
+        dtype=dtype, original_architecture="LlamaForCausalLM",
+    )  # fmt: skip
 
 
 PAIRS: dict[str, Callable[..., PairCase]] = {"gpt2": gpt2, "llama": llama, "llava": llava_port}

@@ -1,0 +1,129 @@
+"""The workload: forwards of any shape fed from signatures, through config alone, with one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from paritylab.cli import compose
+from paritylab.config import ConfigError
+from paritylab.runner import run
+from paritylab.workload import infer_call, synthetic_inputs
+from tests.pairs import transformer_lens_available
+
+IDS = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+
+
+class Positional(nn.Module):
+    def forward(self, input, return_type="logits"):  # TransformerLens-style
+        return input
+
+
+class Idx(nn.Module):
+    def forward(self, idx, input_pos=None):  # litgpt-style
+        return idx
+
+
+class Vision(nn.Module):
+    def forward(self, x):  # timm / open_clip-style
+        return x
+
+
+class Strict(nn.Module):
+    def forward(self, tokens, *, positions):
+        return tokens
+
+
+def test_signatures_decide_how_inputs_reach_a_forward():
+    assert infer_call(Positional(), IDS, "candidate").kwargs == {"input": "input_ids"}
+    spec = infer_call(Idx(), IDS, "candidate")
+    assert spec.kwargs == {"idx": "input_ids"} and spec.dropped == ("attention_mask",)
+    pixels = {"pixel_values": torch.zeros(1, 3, 4, 4)}
+    assert infer_call(Vision(), pixels, "candidate").kwargs == {"x": "pixel_values"}
+    assert torch.equal(infer_call(Idx(), IDS, "candidate").bind(IDS)(Idx()), IDS["input_ids"])
+
+
+def test_a_mapping_that_does_not_fit_is_one_line_naming_the_parameter_and_the_fix():
+    with pytest.raises(ConfigError) as error:
+        infer_call(Strict(), IDS, "candidate")
+    assert "Strict.forward needs 'positions'" in str(error.value) and "candidate.call.kwargs.positions" in str(
+        error.value
+    )
+    with pytest.raises(ConfigError, match=r"candidate.call.kwargs.tokenz: Idx.forward has no parameter 'tokenz'"):
+        infer_call(Idx(), IDS, "candidate", kwargs={"tokenz": "input_ids"})
+    with pytest.raises(ConfigError, match=r"names input 'pixels', but the inputs are: input_ids, attention_mask"):
+        infer_call(Idx(), IDS, "candidate", args=["pixels"])
+    assert "\n" not in str(error.value)
+
+
+def test_synthetic_inputs_follow_the_forward_text_and_vision_only():
+    from paritylab.references import clip_vision, llama
+
+    generator = torch.Generator().manual_seed(0)
+    vision = synthetic_inputs(clip_vision(), 2, 5, generator)
+    assert list(vision) == ["pixel_values"] and vision["pixel_values"].shape == (2, 3, 28, 28)
+    text = synthetic_inputs(llama(), 2, 5, generator)
+    assert text["input_ids"].shape == (2, 5) and int(text["input_ids"].max()) < 128
+    assert torch.equal(text["attention_mask"], torch.ones(2, 5, dtype=torch.long))
+
+
+def _run(tmp_path: Path, *overrides: str, candidates: dict[str, str] | None = None):
+    """Run in process; ``candidates`` are user candidate configs (name -> ``_target_``) in a --config-dir."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config_dir = None
+    if candidates:
+        config_dir = tmp_path / "my_conf"
+        (config_dir / "candidate").mkdir(parents=True)
+        for name, target in candidates.items():
+            text = f"name: {name}\nkind: target\nbuild:\n  _target_: {target}\n"
+            (config_dir / "candidate" / f"{name}.yaml").write_text(text)
+    cfg = compose([f"tracking.uri={uri}", *overrides], str(config_dir) if config_dir else None)
+    return run(cfg, tmp_path / "run", echo=lambda _: None), uri
+
+
+def test_vision_only_pair_through_config_alone(tmp_path):
+    result, uri = _run(tmp_path, "model=clip_vision", "candidate=sdpa")
+    assert result.exit_code == 0 and result.report.verdict == "pass"
+    assert result.report.rows[0].reference.shape == [1, 5, 32]  # last_hidden_state of 4 patches + class token
+    run_data = MlflowClient(uri).get_run(result.run_id).data
+    assert run_data.tags["paritylab.verdict"] == "pass"
+
+
+def test_idx_candidate_through_config_alone_keeps_its_own_module_paths(tmp_path):
+    result, _ = _run(tmp_path, "model=llama", "candidate=idx", candidates={"idx": "tests.candidates.idx_llama"})
+    assert result.exit_code == 0, result.error
+    assert any(note == "candidate: forward(idx=input_ids); left out: attention_mask" for note in result.notes)
+    keys = {row.candidate.key for row in result.report.rows if row.candidate}
+    assert "model.layers.0.self_attn#0" in keys  # no adapter prefix
+
+
+@pytest.mark.skipif(transformer_lens_available() is not None, reason=transformer_lens_available() or "")
+def test_transformer_lens_candidate_with_a_positional_input_through_config_alone(tmp_path):
+    result, _ = _run(
+        tmp_path,
+        "model=llama",
+        "+model.build.kv_heads=2",
+        "candidate=lens",
+        candidates={"lens": "tests.candidates.transformer_lens_llama"},
+    )
+    assert result.exit_code == 0, (result.error, [row.path for row in result.report.failing])
+    assert "candidate: forward(attention_mask=attention_mask, input=input_ids)" in result.notes
+    pairs = {p.reference.split("#")[0]: p.candidate.split("#")[0] for p in result.report.alignment.pairs}
+    assert pairs["model.layers.1.self_attn"] == "blocks.1.attn" and pairs["lm_head"] == "unembed"
+
+
+def test_a_candidate_call_that_does_not_fit_fails_before_its_forward(tmp_path):
+    result, _ = _run(
+        tmp_path,
+        "model=llama",
+        "candidate=idx",
+        "+candidate.call.kwargs.tokens=input_ids",
+        candidates={"idx": "tests.candidates.idx_llama"},
+    )
+    assert result.exit_code == 2
+    assert "candidate.call.kwargs.tokens: IdxLlama.forward has no parameter 'tokens'" in result.error
+    assert not (result.directory / "candidate" / "trace.json").exists()
