@@ -20,9 +20,14 @@ def main(cfg: DictConfig) -> None:
     record(run(cfg).exit_code)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``paritylab`` console script (same as ``python -m paritylab``)."""
     from paritylab.sweep import finish_sweep
 
     preflight(sys.argv[1:])
     main()
     exit_process(max(exit_code(), finish_sweep()))
+
+
+if __name__ == "__main__":
+    entry()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from paritylab.alignment import Rule, load_rules
-from paritylab.config import ConfigError, resolve_target
+from paritylab.config import CONF_DIR, ConfigError, resolve_target
 from paritylab.resident import converted_copy
 from paritylab.weights import WeightParity, load_weight_map, weight_parity
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+PKG = "pkg://"
 
 
 @dataclass
@@ -102,8 +103,17 @@ def _parameters(target: Any) -> set[str]:
 
 
 def resolve_path(path: str) -> Path:
-    """A path as given, else relative to the repository (so shipped configs work from any directory)."""
+    """``pkg://package.name/file`` (a file shipped in a package, as Hydra spells it), else a path as given,
+    else relative to the directory holding paritylab's configs (so shipped configs work from anywhere)."""
+    if path.startswith(PKG):
+        package, _, name = path.removeprefix(PKG).partition("/")
+        try:
+            return Path(str(importlib.resources.files(package).joinpath(name)))
+        except (ModuleNotFoundError, TypeError) as error:
+            raise ConfigError(
+                f"{path!r}: package {package!r} cannot be found; check the spelling or install it"
+            ) from error
     given = Path(path).expanduser()
     if given.is_absolute() or given.exists():
         return given
-    return REPOSITORY / given
+    return CONF_DIR.parent / given

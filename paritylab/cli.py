@@ -13,7 +13,8 @@ from typing import NoReturn
 
 from omegaconf import DictConfig
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from paritylab.config import CONF_DIR
+
 _HYDRA_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
 _WITH_VALUE = {"--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp", "--cfg", "-c", "--info", "-i"}
 _codes: list[int] = []

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.resources
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(str(importlib.resources.files("paritylab.conf")))
+"""paritylab's shipped configuration (the checkout's top-level ``conf/``, installed as ``paritylab.conf``)."""
 
 
 class ConfigError(ValueError):

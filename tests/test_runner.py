@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from paritylab import Trace
-from paritylab.cli import compose
+from paritylab.cli import compose, preflight
 from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import parity_runs
 
@@ -150,13 +150,26 @@ def test_port_of_a_model_without_one_lists_what_exists(tmp_path):
         ("resident=two", "expected one of [auto, both, one]"),
     ],
 )
-def test_bad_configuration_is_one_line_and_exit_2(tmp_path, override, expected):
-    result = app(tmp_path, override)
-    assert result.returncode == 2, result.stdout + result.stderr
-    output = (result.stderr + result.stdout).strip()
+def test_bad_configuration_is_one_line_and_exit_2(tmp_path, capsys, override, expected):
+    """In process, as the app does it: preflight composition, then the run's checks before any model is built."""
+    overrides = [override, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    said: list[str] = []
+    try:
+        preflight(overrides)
+        code = run(compose(overrides), tmp_path / "run", echo=said.append).exit_code
+    except SystemExit as stop:
+        code = stop.code
+    output = "\n".join([capsys.readouterr().err.strip(), *said]).strip()
+    assert code == 2, output
     assert len(output.splitlines()) == 1, output
     assert expected in output
-    assert not (tmp_path / "mlflow.db").exists() or "RUNNING" not in output
+    assert not (tmp_path / "mlflow.db").exists()  # failed before any tracking: no run to leave RUNNING
+
+
+def test_bad_configuration_across_the_process_boundary(tmp_path):
+    result = app(tmp_path, "compare.rtool=1", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "compare.rtool" in result.stderr and not (tmp_path / "mlflow.db").exists()
 
 
 def test_cfg_job_and_help_work_as_hydra_users_expect(tmp_path):
@@ -206,8 +219,8 @@ def test_user_configs_from_another_directory(tmp_path):
     mine.mkdir(parents=True)
     (mine / "scaled.yaml").write_text(
         "name: scaled\nkind: target\nbuild:\n  _target_: tests.faulty.scaled_port\n"
-        "  module: llm.layers.0.feed_forward.w2\n  scale: 1.05\nrules: conf/port/llava_alignment.yaml\n"
-        "weight_map: conf/port/llava_weights.yaml\n"
+        "  module: llm.layers.0.feed_forward.w2\n  scale: 1.05\n"
+        "weight_map: pkg://paritylab.experiments.llava_port/weights.yaml\n"
     )
     result = subprocess.run(
         [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=scaled",

@@ -6,12 +6,15 @@ from pathlib import Path
 
 from torch import nn
 
-from experiments.llava_port.model import LlavaPort, PortConfig, TextConfig, VisionConfig
 from paritylab.weights import load_mapped, load_weight_map
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "port"
-WEIGHT_MAP = CONF / "llava_weights.yaml"
-ALIGNMENT = CONF / "llava_alignment.yaml"
+from .model import LlavaPort, PortConfig, TextConfig, VisionConfig
+
+HERE = Path(__file__).resolve().parent
+WEIGHT_MAP = HERE / "weights.yaml"
+ALIGNMENT = HERE / "alignment.yaml"
+"""Explicit alignment rules for the fused projections: no longer needed (parameter fingerprints find them),
+kept as an example of the rules format and for the tests of rules."""
 
 __all__ = ["ALIGNMENT", "WEIGHT_MAP", "LlavaPort", "PortConfig", "config_from_reference", "from_reference"]
 
