@@ -257,7 +257,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
         pair = _by_rule(call, rules, cand_by_key)
         if pair is None:
             ignored.append(call.key)
-        elif pair is not False and cand_position[pair.candidate] not in taken:
+        elif isinstance(pair, Pair) and cand_position[pair.candidate] not in taken:
             fix(position, cand_position[pair.candidate], pair)
     skipped = set(fixed) | folded_ref
     open_ref = [i for i in range(len(ref_calls)) if i not in skipped and ref_calls[i].key not in ignored]
@@ -446,11 +446,11 @@ def _by_parts(
         if located is None:
             continue
         path, part = located
-        i = ref_by_key.get(f"{path}#{call.call_index}")
-        if i is None or i in paired:
+        found_at = ref_by_key.get(f"{path}#{call.call_index}")
+        if found_at is None or found_at in paired:
             continue
-        paired.add(i)
-        found.append((i, j, Pair(ref_calls[i].key, call.key, "structure", 1.0, reference_part=part)))
+        paired.add(found_at)
+        found.append((found_at, j, Pair(ref_calls[found_at].key, call.key, "structure", 1.0, reference_part=part)))
     return found
 
 
@@ -728,9 +728,7 @@ def _generalise(pairs: list[Pair]) -> list[Rule]:
             rules.append(Rule(*key))
         else:  # one reference pattern, several candidate patterns: spell each pair out
             for pair in members:
-                rules.append(
-                    Rule(_path(pair.reference), _path(pair.candidate), *key[2:])  # type: ignore[arg-type]
-                )
+                rules.append(Rule(_path(pair.reference), _path(pair.candidate), *key[2:]))
     return _dedupe(rules)
 
 

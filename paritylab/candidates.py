@@ -7,7 +7,7 @@ import importlib.resources
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -40,7 +40,7 @@ def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candi
     if kind == "attention":
         return Candidate(_with_attention(reference, str(cfg.attn_implementation)))
     if kind == "compiled":
-        compiled = torch.compile(copy.deepcopy(reference), backend=cfg.backend)
+        compiled = cast(nn.Module, torch.compile(copy.deepcopy(reference), backend=cfg.backend))
         return Candidate(compiled, notes=[f"torch.compile(backend={cfg.backend!r}); traced modules graph-break"])
     model = instantiate("candidate.build", cfg.build, reference)
     rules = load_rules(resolve_path(cfg.rules)) if cfg.rules else []
@@ -81,15 +81,15 @@ def _with_attention(reference: nn.Module, implementation: str) -> nn.Module:
     return model
 
 
-def instantiate(key: str, node: Any, reference: nn.Module) -> nn.Module:
+def instantiate(key: str, node: Any, reference: nn.Module | None = None) -> nn.Module:
     """Call ``node._target_`` with the node's arguments (plus ``reference=`` when the callable takes it)."""
     arguments = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
     if not isinstance(arguments, dict) or "_target_" not in arguments:
         raise ConfigError(f"{key} needs a _target_ (a dotted path to a callable returning an nn.Module)")
     target = resolve_target(key, str(arguments.pop("_target_")))
-    if "reference" in _parameters(target):
+    if "reference" in _parameters(target) and reference is not None:
         arguments["reference"] = reference
-    model = target(**arguments)
+    model = target(**{str(name): value for name, value in arguments.items()})
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{key}._target_ returned {type(model).__name__}, not a torch.nn.Module")
     return model.eval()

@@ -49,8 +49,8 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
     towers = layer_rows(report)
     series: list[Series] = []
     for tower, rows in towers.items():
-        series.append((f"{tower} (rel L2)", [(n, _positive(r.rel_l2)) for n, r in rows], False))
-        local = [(n, _positive(r.local.get("local_rel_l2"))) for n, r in rows]
+        series.append((f"{tower} (rel L2)", [(float(n), _positive(r.rel_l2)) for n, r in rows], False))
+        local = [(float(n), _positive(r.local.get("local_rel_l2"))) for n, r in rows]
         if any(value > _FLOOR for _, value in local):
             series.append((f"{tower} (own error, replay)", local, True))
     if not towers:  # no numbered layers: every compared module in execution order
@@ -127,9 +127,9 @@ def heatmap(labels: Sequence[str], columns: Sequence[str], matrix: Sequence[Sequ
             )
     bar_x, low, high = left + cell_w * len(columns) + 20, *_LOG_RANGE
     for step in range(high - low):
-        y = top + step * bar_h / (high - low)
+        bar_y = top + step * bar_h / (high - low)
         parts.append(
-            f'<rect x="{bar_x}" y="{y:.1f}" width="14" height="{bar_h / (high - low) + 0.5:.1f}" '
+            f'<rect x="{bar_x}" y="{bar_y:.1f}" width="14" height="{bar_h / (high - low) + 0.5:.1f}" '
             f'fill="{_colour(high - step - 0.5)}"/>'
         )
     parts.append(_text(bar_x + 18, top + 8, f"1e{high}"))

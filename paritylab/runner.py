@@ -200,7 +200,7 @@ class _Session:
 
     def _build_reference(self) -> nn.Module:
         self.echo("paritylab: building the reference")
-        model = instantiate("model.build", self.cfg.model.build, None)
+        model = instantiate("model.build", self.cfg.model.build)
         return model.to(self.device)
 
     def _bind(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[nn.Module], Any]:

@@ -241,7 +241,7 @@ class _ShardWriter:
                 return
             if nbytes:
                 _reserve(shard, nbytes)
-                _write_all(shard.handle, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                _write_all(shard.handle, data.reshape(-1).view(torch.uint8).numpy().data)
         except OSError as error:
             self._fail(f"disk error: {error.strerror or error}")
             self.store.skipped[name] = self.failure or "disk error"
@@ -460,9 +460,14 @@ class _MappedFile:
         dtype = TORCH_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
         shape = entry.get("shape")
         offsets = entry.get("data_offsets")
-        valid_shape = isinstance(shape, list) and len(shape) <= 32 and all(_count(n) for n in shape)
-        valid_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(_count(n) for n in offsets)
-        if dtype is None or not valid_shape or not valid_offsets:
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not isinstance(offsets, list)
+            or len(shape) > 32
+            or len(offsets) != 2
+            or not all(_count(n) for n in (*shape, *offsets))
+        ):
             raise StorageError(f"{self.name!r}: malformed entry for {key!r}: {str(entry)[:120]}")
         begin, end = offsets
         itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -226,7 +226,7 @@ def _load_paritylab(path: Path) -> Trace:
         raise TraceFormatError(f"{path / TRACE_FILE}: 'files' must be an object")
     trace = Trace(
         calls=[CallRecord.from_json(c) for c in calls],
-        meta=document.get("meta") if isinstance(document.get("meta"), dict) else {},
+        meta=meta if isinstance(meta := document.get("meta"), dict) else {},
         captures=_captures(document.get("captures")),
         files={str(ref): _location(ref, loc) for ref, loc in files.items()},
         directory=path,
@@ -291,8 +291,11 @@ def validate_node(node: object, depth: int = 0) -> None:
 
 def _validate_tensor(node: dict[str, Any]) -> None:
     shape = node.get("shape")
-    ok_shape = isinstance(shape, list) and len(shape) <= MAX_DIMS
-    if not ok_shape or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**48 for n in shape):
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**48 for n in shape)
+    ):
         raise TraceFormatError(f"tensor shape must be a list of at most {MAX_DIMS} sizes, got {str(shape)[:80]}")
     if not isinstance(node.get("dtype"), str) or len(node["dtype"]) > 32:
         raise TraceFormatError(f"tensor dtype must be a short string, got {str(node.get('dtype'))[:40]!r}")

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ class Tracer:
 
     def __init__(self, model: nn.Module, directory: str | Path | None = None, options: TraceOptions | None = None):
         self.compiled = _is_compiled(model)
-        self.model = model._orig_mod if self.compiled else model  # type: ignore[assignment]
+        self.model: nn.Module = cast(nn.Module, model._orig_mod) if self.compiled else model
         self.options = options or TraceOptions()
         self.directory = Path(directory) if directory is not None else None
         if self.options.save_tensors and self.directory is None:
@@ -306,7 +306,7 @@ class Tracer:
 
             write_debugger_files(self.trace, self.directory)
 
-    def _resolve_stats(self) -> list[dict[str, float]]:
+    def _resolve_stats(self) -> list[dict[str, float | None]]:
         resolved = self._stats.resolve()
         return [resolved[index] for _, index in self._stats_targets]
 

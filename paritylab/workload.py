@@ -140,16 +140,16 @@ def _checked(
             takes = ", ".join(parameters)
             key = f"{side}.call.kwargs.{parameter}"
             raise ConfigError(f"{key}: {name} has no parameter {parameter!r}; it takes: {takes}")
-    for parameter in parameters.values():
-        unset = parameter.name not in filled and parameter.name not in spec.kwargs
-        needed = parameter.default is inspect.Parameter.empty and parameter.kind in (
+    for declared in parameters.values():
+        unset = declared.name not in filled and declared.name not in spec.kwargs
+        needed = declared.default is inspect.Parameter.empty and declared.kind in (
             inspect.Parameter.POSITIONAL_ONLY,
             inspect.Parameter.POSITIONAL_OR_KEYWORD,
             inspect.Parameter.KEYWORD_ONLY,
         )
         if unset and needed:
-            key = f"{side}.call.kwargs.{parameter.name}"
-            raise ConfigError(f"{name} needs {parameter.name!r}, which no input feeds: set {key}=<input name>")
+            key = f"{side}.call.kwargs.{declared.name}"
+            raise ConfigError(f"{name} needs {declared.name!r}, which no input feeds: set {key}=<input name>")
     return spec
 
 
