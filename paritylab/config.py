@@ -191,9 +191,63 @@ def check_complete(cfg: DictConfig) -> None:
         raise ConfigError(f"{missing[0]} is required but not set: pass {missing[0]}=<value> (or choose a preset)")
 
 
+TRACKING_SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Values that would fail late, checked before any model is built: tolerances, per-module patterns,
+    the tracking URI and the output directory. Each failure is one line naming the key and the fix."""
+    from urllib.parse import urlparse
+
+    from paritylab.metrics import Tolerances
+
+    compare = cfg.compare
+    for key in ("rtol", "atol"):
+        value = compare.get(key)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"compare.{key}={value} must be zero or positive (null: torch's default for the dtype)")
+    if not compare.noise_multiple > 0:
+        raise ConfigError(f"compare.noise_multiple={compare.noise_multiple} must be positive (default 4)")
+    try:
+        tolerances = Tolerances.from_config(OmegaConf.to_container(compare, resolve=True))  # type: ignore[arg-type]
+    except ValueError as error:
+        raise ConfigError(f"compare.modules: {error}") from error
+    for override in tolerances.overrides:
+        for key in ("rtol", "atol"):
+            value = getattr(override, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"compare.modules.{override.pattern}.{key}={value} must be zero or positive")
+    uri = cfg.tracking.uri
+    if cfg.tracking.enabled and uri:
+        scheme = urlparse(str(uri)).scheme.split("+")[0]
+        if scheme not in TRACKING_SCHEMES and not (len(scheme) == 1 and scheme.isalpha()):  # C:\ on Windows
+            raise ConfigError(
+                f"tracking.uri={uri!r}: unsupported scheme {scheme!r}; use sqlite:///mlflow.db, a directory, "
+                "http(s)://host:port of an MLflow server, or tracking=off"
+            )
+    if cfg.output_dir:
+        check_writable("output_dir", Path(str(cfg.output_dir)))
+
+
+def check_writable(key: str, directory: Path) -> None:
+    """``directory`` exists as a writable directory, or can be created."""
+    import os
+
+    existing = directory.expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{key}={str(directory)!r}: {str(existing)!r} is a file, not a directory; choose another path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(directory)!r}: {str(existing)!r} is not writable; choose a writable directory")
+
+
 def check_targets(cfg: DictConfig) -> None:
     """Import every ``_target_`` and check its keyword arguments, before anything is built."""
     check_complete(cfg)
+    check_settings(cfg)
     nodes = [("model.build", cfg.model.build)]
     if cfg.candidate.build is not None:
         nodes.append(("candidate.build", cfg.candidate.build))

@@ -32,7 +32,7 @@ def _cells(row: Row) -> list[str]:
     return [
         str(row.index),
         display_path(row.path),
-        row.candidate.key.rsplit("#", 1)[0] if row.candidate else "-",
+        display_path(row.candidate.key.rsplit("#", 1)[0]) if row.candidate else "-",
         row.status,
         row.verdict,
         row.cause or "",
@@ -90,7 +90,8 @@ def to_console(report: Report, limit: int | None = 60) -> str:
 
 
 def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+    """Markdown table text: no raw HTML (MLflow renders descriptions), pipes and backticks neutralised."""
+    return html.escape(text, quote=False).replace("|", "\\|").replace("`", "'").replace("\n", " ")
 
 
 def to_markdown(report: Report, limit: int | None = 200) -> str:

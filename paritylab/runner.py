@@ -30,7 +30,7 @@ from torch import nn
 from paritylab.alignment import Rule, load_rules
 from paritylab.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.comparison import Report, compare_traces
-from paritylab.config import ConfigError, check_targets, one_line
+from paritylab.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.history import (
     Regression,
     assess,
@@ -77,7 +77,13 @@ class RunResult:
 def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[str], None] = print) -> RunResult:
     """Run one parity comparison as configured; never raises for bad input or a failing forward."""
     out = Path(directory or cfg.output_dir or _hydra_dir() or _default_dir(cfg)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_writable("output directory", out)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as error:
+        message = one_line(error) if isinstance(error, ConfigError) else f"cannot create {out}: {error}"
+        echo(f"paritylab: {message}")
+        return RunResult(EXIT_ERROR, out, error=message)
     (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier run in this directory is not ours
     try:
         check_targets(cfg)

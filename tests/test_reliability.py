@@ -21,8 +21,10 @@ from torch import nn
 
 import paritylab
 from paritylab import Trace, TraceFormatError
+from paritylab.cli import compose
 from paritylab.comparison import compare_traces
 from paritylab.reporting import to_html
+from paritylab.runner import run
 from paritylab.storage import StorageError, TensorReader
 from paritylab.tracking import TrackingError, metric_key
 from tests.helpers import parity_runs, traced
@@ -405,3 +407,40 @@ def test_no_values_stored_is_never_a_pass(tmp_path, scale):
     assert result.exit_code in (1, 3) and result.report.verdict in ("fail", "inconclusive")
     if scale > 1.1:
         assert result.report.verdict == "fail"  # statistics alone prove it
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("compare.rtol=-1", "compare.rtol=-1.0 must be zero or positive"),
+        ("compare.noise_multiple=0", "compare.noise_multiple=0.0 must be positive"),
+        ("+compare.modules.lm_head={rtol: -0.5}", "compare.modules.lm_head.rtol=-0.5 must be zero or positive"),
+        ("+compare.modules.lm_head={rtol: abc}", "compare.modules: tolerance rtol must be a number"),
+        ("tracking.uri=htp://nowhere", "unsupported scheme 'htp'"),
+    ],
+)
+def test_settings_that_would_fail_late_fail_before_any_model_is_built(tmp_path, override, expected):
+    said: list[str] = []
+    started = time.perf_counter()
+    result = run(compose([override]), tmp_path / "run", echo=said.append)
+    assert result.exit_code == 2 and len(said) == 1 and expected in said[0], said
+    assert time.perf_counter() - started < 1.0  # no model was built
+    assert not (tmp_path / "run" / "reference").exists()
+
+
+def test_output_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    said: list[str] = []
+    result = run(compose(["tracking=off"]), tmp_path / "afile" / "run", echo=said.append)
+    assert result.exit_code == 2 and len(said) == 1 and "is a file, not a directory" in said[0]
+
+
+def test_names_with_control_characters_are_escaped_on_the_terminal_and_html_in_markdown():
+    from paritylab.comparison import Row, Side
+    from paritylab.reporting import _cells, _md_escape
+    from paritylab.tracefile import display_path
+
+    assert display_path("evil\r\x1b[2Kname") == "evil\\r\\x1b[2Kname"
+    row = Row(0, "a\x1b[31m", Side("a\x1b[31m#0"), Side("b\r#0"), "compared", "pass")
+    assert all(cell.isprintable() for cell in _cells(row))
+    assert _md_escape("<script>alert(1)</script>") == "&lt;script&gt;alert(1)&lt;/script&gt;"
