@@ -62,3 +62,10 @@ def mlflow_server(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
     log.close()
+
+
+@pytest.fixture(autouse=True)
+def _run_in_a_temporary_directory(tmp_path_factory, monkeypatch):
+    """Each test runs in its own directory: what a run writes to its working directory (MLflow's ./mlruns
+    artifacts, outputs/) never lands in the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

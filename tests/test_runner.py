@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,7 +226,8 @@ def test_user_configs_from_another_directory(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=scaled",
          "compare.replay=false", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'h'}"],
-        capture_output=True, text=True, timeout=300, cwd=REPOSITORY,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},  # tests.faulty; artifacts land in tmp_path, not the checkout
     )  # fmt: skip
     assert result.returncode == 1, result.stdout[-1500:] + result.stderr[-1500:]
     assert "divergence starts at model.language_model.layers.0.mlp.down_proj" in result.stdout
