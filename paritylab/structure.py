@@ -11,6 +11,7 @@ weight can be located.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,6 @@ from torch import nn
 MASK = (1 << 64) - 1
 MAX_AXIS = 1 << 16
 """Row/column hashes are kept for 2-D parameters with at most this many rows and columns."""
-_M1, _M2 = -1640531535, 1274126177  # odd 32-bit multipliers (as signed int32)
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,23 @@ def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
     return result
 
 
+_cache: dict[int, tuple[weakref.ref[torch.Tensor], int, int, ParamPrint]] = {}
+"""id(parameter) -> (the parameter, its version counter, its data pointer, its print): a parameter is hashed
+once while its values are unchanged, so tracing the same weights again (capture loops, replay, decode
+steps) costs nothing here."""
+
+
 def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
+    version, pointer = getattr(param, "_version", -1), param.data_ptr() if param.numel() else 0
+    cached = _cache.get(id(param))
+    if cached is not None and cached[0]() is param and cached[1:3] == (version, pointer):
+        found = cached[3]
+        return found if found.name == name else ParamPrint(name, found.shape, found.digest, found.rows, found.cols)
     values = param.detach()
-    if values.is_complex() or not (values.is_floating_point() or values.dtype == torch.bool):
-        values = values.to(torch.float32) if not values.is_complex() else torch.view_as_real(values)
+    if values.is_complex():
+        values = torch.view_as_real(values)
+    elif not values.is_floating_point():
+        values = values.to(torch.float32)
     hashed = element_hashes(values)
     digest = int(hashed.sum(dtype=torch.int64)) & MASK
     rows: tuple[int, ...] = ()
@@ -109,19 +122,34 @@ def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
     if hashed.dim() == 2 and max(hashed.shape) <= MAX_AXIS:
         rows = tuple(int(v) & MASK for v in hashed.sum(dim=1, dtype=torch.int64).tolist())
         cols = tuple(int(v) & MASK for v in hashed.sum(dim=0, dtype=torch.int64).tolist())
-    return ParamPrint(name, tuple(param.shape), digest, rows, cols)
+    made = ParamPrint(name, tuple(param.shape), digest, rows, cols)
+    if version != -1:
+        key = id(param)
+        _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)
+    return made
 
 
 def element_hashes(values: torch.Tensor) -> torch.Tensor:
-    """A mixed 32-bit hash of each element's bfloat16 rounding, same shape; zeros (either sign) hash to 0,
-    so an all-zero bias one implementation has and the other lacks changes no fingerprint."""
-    bits = values.to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    zero = (bits == 0) | (bits == -32768)
-    mixed = (bits + 0x5BD1E995) * _M1
-    mixed = mixed ^ (mixed >> 15)
-    mixed = mixed * _M2
-    mixed = mixed ^ (mixed >> 13)
-    return mixed.masked_fill_(zero, 0)
+    """A random 32-bit hash of each element's bfloat16 bit pattern (a 65,536-entry table), same shape;
+    zeros (either sign) hash to 0, so an all-zero bias one implementation has and the other lacks changes
+    no fingerprint. One cast and one gather: about twice as fast as arithmetic mixing, measured."""
+    index = values.to(torch.bfloat16).view(torch.int16).to(torch.long).add_(32768)
+    return _table(values.device).index_select(0, index.reshape(-1)).view(index.shape)
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    table = _tables.get(device)
+    if table is None:
+        generator = torch.Generator().manual_seed(0x5EED)
+        table = torch.randint(-(2**31), 2**31 - 1, (65536,), dtype=torch.int64, generator=generator)
+        table = table.to(torch.int32)
+        table[32768] = 0  # +0.0
+        table[0] = 0  # -0.0 (bit pattern 0x8000, shifted)
+        table = _tables[device] = table.to(device)
+    return table
 
 
 def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
