@@ -15,7 +15,7 @@ own code between its children is blamed on the layer. The first divergence is th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,7 +253,7 @@ def compare_traces(
         if first.status == "unmatched":
             reason = "divergence starts inside this module, which has no counterpart in the candidate"
     elif any(row.verdict == "fail" for row in rows):
-        first = innermost_first([row for row in rows if row.verdict == "fail"], rows)
+        first = innermost([row for row in rows if row.verdict == "fail"], rows)[0]
         reason = "the earliest innermost failing module (no row diverges beyond its tolerance margin)"
     return Report(
         rows=rows,
@@ -469,12 +469,7 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
                 starts.append(producer)
     if not starts:
         starts = [row for row in rows if row.diverged and not row.input_known]
-    has_start_below: set[int] = set()
-    for row in starts:
-        parent = row.parent
-        while parent is not None and parent in by_index:
-            has_start_below.add(parent)
-            parent = by_index[parent].parent
+    has_start_below = {index for row in starts for index in ancestors(row, by_index)}
     origins = [row for row in starts if row.index not in has_start_below]
     for row in rows:
         if not row.diverged:
@@ -488,19 +483,21 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
     return sorted(origins, key=lambda row: row.index)
 
 
-def innermost_first(rows: list[Row], everything: list[Row]) -> Row:
-    """The earliest of ``rows`` that has none of the others below it (a module, not its parents)."""
-    indices = {row.index for row in rows}
-    parents: set[int] = set()
+def ancestors(row: Row, by_index: Mapping[int, Row]) -> Iterator[int]:
+    """The call indices above ``row``, innermost first (as far as ``by_index`` knows them)."""
+    parent = row.parent
+    while parent is not None:
+        yield parent
+        parent = by_index[parent].parent if parent in by_index else None
+
+
+def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
+    """``rows`` without those that have another of ``rows`` below them (modules, not their parents), in
+    execution order."""
+    chosen = {row.index for row in rows}
     by_index = {row.index: row for row in everything}
-    for row in rows:
-        parent = row.parent
-        while parent is not None:
-            if parent in indices:
-                parents.add(parent)
-            parent = by_index[parent].parent if parent in by_index else None
-    inner = [row for row in rows if row.index not in parents]
-    return min(inner or rows, key=lambda row: row.index)
+    above = {index for row in rows for index in ancestors(row, by_index) if index in chosen}
+    return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
 
 
 def _first_nonfinite(trace: Trace) -> str | None:

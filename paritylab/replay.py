@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from paritylab.alignment import Alignment, Pair, Part, primary_slot
-from paritylab.comparison import Report, Row, compare_traces, relative_error
+from paritylab.comparison import Report, Row, ancestors, compare_traces, innermost, relative_error
 from paritylab.metrics import Tolerances
 from paritylab.tracefile import Trace
 from paritylab.tracing import TraceOptions, Tracer
@@ -177,7 +177,7 @@ def attach_replay(
         if row.verdict == "pass" and row.local.get("local_diverged"):
             row.verdict = "fail"
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
-    report.replay_origins = _innermost(own_errors, report.rows)
+    report.replay_origins = innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
 
@@ -213,20 +213,6 @@ def beyond_floor(metrics: Mapping[str, float], floor: Mapping[str, float], dtype
     return None
 
 
-def _innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
-    """``rows`` without those that have another of ``rows`` below them, in execution order."""
-    chosen = {row.index for row in rows}
-    by_index = {row.index: row for row in everything}
-    above: set[int] = set()
-    for row in rows:
-        parent = row.parent
-        while parent is not None:
-            if parent in chosen:
-                above.add(parent)
-            parent = by_index[parent].parent if parent in by_index else None
-    return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
-
-
 def _name_culprit(report: Report, low_precision: bool) -> None:
     """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
 
@@ -246,7 +232,8 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
         return
     if first is not None and first in replayed:
         return
-    inside = [row for row in replayed if first is not None and _is_below(row, first, report.rows)]
+    by_index = {row.index: row for row in report.rows}
+    inside = [row for row in replayed if first is not None and first.index in ancestors(row, by_index)]
     chosen: Row | None = None
     if inside:
         chosen, reason = inside[0], "its own error (isolated replay) diverges inside the free-run origin"
@@ -259,13 +246,3 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
     report.first_divergence, report.culprit_reason = chosen, reason
     report.origins = [chosen, *(row for row in report.origins if row is not chosen)]
     chosen.cause = "origin"
-
-
-def _is_below(row: Row, ancestor: Row, rows: list[Row]) -> bool:
-    by_index = {item.index: item for item in rows}
-    parent = row.parent
-    while parent is not None:
-        if parent == ancestor.index:
-            return True
-        parent = by_index[parent].parent if parent in by_index else None
-    return False

@@ -11,10 +11,14 @@ weight can be located.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -25,29 +29,41 @@ MAX_AXIS = 1 << 16
 
 @dataclass(frozen=True)
 class ParamPrint:
-    """One direct parameter: its value hash, shape, and for 2-D ones the hash of each row and column."""
+    """One direct parameter: its value hash, shape, and for 2-D ones the hash of each row and column
+    (kept as little-endian uint64 bytes, base64 in JSON: tracing never builds Python integers for them)."""
 
     name: str
     shape: tuple[int, ...]
     digest: int
-    rows: tuple[int, ...] = ()
-    cols: tuple[int, ...] = ()
+    row_bytes: bytes = b""
+    col_bytes: bytes = b""
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return _unpack(self.row_bytes)
+
+    @property
+    def cols(self) -> tuple[int, ...]:
+        return _unpack(self.col_bytes)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "digest": self.digest}
-        if self.rows:
-            data["rows"], data["cols"] = list(self.rows), list(self.cols)
+        if self.row_bytes:
+            data["rows"] = base64.b64encode(self.row_bytes).decode("ascii")
+            data["cols"] = base64.b64encode(self.col_bytes).decode("ascii")
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ParamPrint:
-        return cls(
-            str(data["name"]),
-            tuple(int(v) for v in data["shape"]),
-            int(data["digest"]) & MASK,
-            tuple(int(v) & MASK for v in data.get("rows", ())),
-            tuple(int(v) & MASK for v in data.get("cols", ())),
-        )
+        shape = tuple(int(v) for v in data["shape"])
+        rows, cols = (base64.b64decode(data.get(key, ""), validate=True) for key in ("rows", "cols"))
+        if rows and (len(shape) != 2 or len(rows) != 8 * shape[0] or len(cols) != 8 * shape[1]):
+            raise ValueError(f"row/column hashes of {data.get('name')!r} do not fit its shape {shape}")
+        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols)
+
+
+def _unpack(raw: bytes) -> tuple[int, ...]:
+    return tuple(numpy.frombuffer(raw, dtype="<u8").tolist())
 
 
 @dataclass(frozen=True)
@@ -104,12 +120,28 @@ once while its values are unchanged, so tracing the same weights again (capture 
 steps) costs nothing here."""
 
 
+_models: dict[int, tuple[weakref.ref[nn.Module], tuple[tuple[int, int, int], ...], list[dict[str, Any]]]] = {}
+
+
+def fingerprint_json(model: nn.Module) -> list[dict[str, Any]]:
+    """:func:`fingerprint` as JSON-ready entries, reused while every parameter of ``model`` is the same
+    tensor with the same version and storage (tracing one model again costs microseconds here)."""
+    key = tuple((id(p), getattr(p, "_version", -1), p.data_ptr() if p.numel() else 0) for p in model.parameters())
+    cached = _models.get(id(model))
+    if cached is not None and cached[0]() is model and cached[1] == key and -1 not in (k[1] for k in key):
+        return cached[2]
+    entries = [item.to_json() for item in fingerprint(model).values()]
+    ident = id(model)
+    _models[ident] = (weakref.ref(model, lambda _: _models.pop(ident, None)), key, entries)
+    return entries
+
+
 def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
     version, pointer = getattr(param, "_version", -1), param.data_ptr() if param.numel() else 0
     cached = _cache.get(id(param))
     if cached is not None and cached[0]() is param and cached[1:3] == (version, pointer):
         found = cached[3]
-        return found if found.name == name else ParamPrint(name, found.shape, found.digest, found.rows, found.cols)
+        return found if found.name == name else dataclasses.replace(found, name=name)
     values = param.detach()
     if values.is_complex():
         values = torch.view_as_real(values)
@@ -117,16 +149,20 @@ def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
         values = values.to(torch.float32)
     hashed = element_hashes(values)
     digest = int(hashed.sum(dtype=torch.int64)) & MASK
-    rows: tuple[int, ...] = ()
-    cols: tuple[int, ...] = ()
+    rows = cols = b""
     if hashed.dim() == 2 and max(hashed.shape) <= MAX_AXIS:
-        rows = tuple(int(v) & MASK for v in hashed.sum(dim=1, dtype=torch.int64).tolist())
-        cols = tuple(int(v) & MASK for v in hashed.sum(dim=0, dtype=torch.int64).tolist())
+        rows = _pack(hashed.sum(dim=1, dtype=torch.int64))
+        cols = _pack(hashed.sum(dim=0, dtype=torch.int64))
     made = ParamPrint(name, tuple(param.shape), digest, rows, cols)
     if version != -1:
         key = id(param)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)
     return made
+
+
+def _pack(sums: torch.Tensor) -> bytes:
+    """int64 sums as little-endian uint64 bytes (two's complement: the same bits as the sum modulo 2**64)."""
+    return sums.cpu().numpy().astype("<i8", copy=False).tobytes()
 
 
 def element_hashes(values: torch.Tensor) -> torch.Tensor:
@@ -161,7 +197,7 @@ def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
     for entry in raw:
         try:
             item = ModulePrint.from_json(entry)
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, binascii.Error):
             return {}  # a damaged fingerprint is no evidence; alignment falls back to order and names
         prints[item.path] = item
     return prints

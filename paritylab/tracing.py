@@ -118,9 +118,9 @@ class Tracer:
         self._started = time.perf_counter()
         specs = resolve_specs(self.model, self.options.capture)
         if self.options.fingerprint:
-            from paritylab.structure import fingerprint
+            from paritylab.structure import fingerprint_json
 
-            self._structure = [item.to_json() for item in fingerprint(self.model).values()]
+            self._structure = fingerprint_json(self.model)
         if self.directory is not None:
             self._store = TensorStore(
                 self.directory,

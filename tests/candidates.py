@@ -23,15 +23,9 @@ def idx_llama(reference: nn.Module) -> nn.Module:
 def transformer_lens_llama(reference: nn.Module) -> nn.Module:
     """TransformerLens' HookedTransformer (``forward(input, ...)``) with the reference's weights converted by
     TransformerLens' own converter."""
-    from transformer_lens import HookedTransformer
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
 
-    from tests.pairs import transformer_lens_config
+    from tests.pairs import transformer_lens_config, transformer_lens_model
 
     config = transformer_lens_config(reference.config)
-    model = HookedTransformer(config)
-    model.load_and_process_state_dict(
-        convert_llama_weights(reference, config), fold_ln=False, center_writing_weights=False,
-        center_unembed=False, fold_value_biases=False,
-    )  # fmt: skip
-    return model.eval()
+    return transformer_lens_model(config, convert_llama_weights(reference, config))

@@ -44,7 +44,7 @@ def _ids(vocab: int, length: int = 12, batch: int = 2, seed: int = 1) -> torch.T
 
 def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers GPT2LMHeadModel against TransformerLens' HookedTransformer (converted by TransformerLens)."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens import HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -58,12 +58,7 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         act_fn="gelu_new", normalization_type="LN", default_prepend_bos=False, dtype=dtype,
         original_architecture="GPT2LMHeadModel",
     )  # fmt: skip
-    candidate = HookedTransformer(tl_config)
-    candidate.load_and_process_state_dict(
-        convert_gpt2_weights(reference, tl_config), fold_ln=False, center_writing_weights=False,
-        center_unembed=False, fold_value_biases=False,
-    )  # fmt: skip
-    candidate.eval()
+    candidate = transformer_lens_model(tl_config, convert_gpt2_weights(reference, tl_config))
     ids = _ids(256)
     sites = {
         "embed": ("transformer.wte",),
@@ -83,7 +78,6 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
 
 def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers LlamaForCausalLM (grouped-query attention) against TransformerLens' HookedTransformer."""
-    from transformer_lens import HookedTransformer
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,12 +90,7 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         torch.manual_seed(0)
         reference = LlamaForCausalLM(config).eval()
     tl_config = transformer_lens_config(config, dtype)
-    candidate = HookedTransformer(tl_config)
-    candidate.load_and_process_state_dict(
-        convert_llama_weights(reference, tl_config), fold_ln=False, center_writing_weights=False,
-        center_unembed=False, fold_value_biases=False,
-    )  # fmt: skip
-    candidate.eval()
+    candidate = transformer_lens_model(tl_config, convert_llama_weights(reference, tl_config))
     ids = _ids(256)
     sites = {"embed": ("model.embed_tokens",), "ln_final": ("model.norm",), "unembed": ("lm_head",)}
     for i in range(layers):
@@ -150,6 +139,18 @@ def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     return PairCase(
         "llava/port", reference, candidate, cast(torch.float32), lambda m: m(ids, pixels.to(dtype)), sites, cast
     )
+
+
+def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
+    folded norms or centred weights: the same computation as the original)."""
+    from transformer_lens import HookedTransformer
+
+    model = HookedTransformer(config)
+    model.load_and_process_state_dict(
+        state_dict, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False
+    )
+    return model.eval()
 
 
 def transformer_lens_config(config: Any, dtype: torch.dtype = torch.float32) -> Any:
