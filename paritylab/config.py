@@ -248,6 +248,13 @@ def check_targets(cfg: DictConfig) -> None:
     """Import every ``_target_`` and check its keyword arguments, before anything is built."""
     check_complete(cfg)
     check_settings(cfg)
+    family, ports = str(cfg.model.family), cfg.candidate.ports or {}
+    if str(cfg.candidate.kind) == "port" and family not in ports:
+        available = ", ".join(sorted(ports)) or "none"
+        raise ConfigError(
+            f"candidate=port: no port of a {family!r} model; ports exist for: {available} "
+            "(add one under candidate.ports, or choose another candidate)"
+        )
     nodes = [("model.build", cfg.model.build)]
     if cfg.candidate.build is not None:
         nodes.append(("candidate.build", cfg.candidate.build))

@@ -455,6 +455,8 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
     """Verdict, first divergence, origins and the markdown description."""
     first = report.first_divergence.path if report is not None and report.first_divergence else None
     tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
+    if report is not None and report.culprit_reason:
+        tags["paritylab.culprit_reason"] = report.culprit_reason
     tags["mlflow.note.content"] = _description(report, verdict, error, notes)
     if report is not None:
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"

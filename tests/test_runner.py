@@ -134,10 +134,11 @@ def test_forward_that_raises_fails_the_run_and_keeps_the_partial_trace(tmp_path)
     assert "candidate/trace.json" in names
 
 
-def test_port_of_a_model_without_one_lists_what_exists(tmp_path):
+def test_port_of_a_model_without_one_lists_what_exists_before_any_work(tmp_path):
     result, _ = run_with(tmp_path, "model=llama", "candidate=port")
     assert result.exit_code == EXIT_ERROR
     assert "no port of a 'llama' model; ports exist for: llava" in result.error
+    assert not (tmp_path / "run" / "reference").exists()  # failed before the reference was built
 
 
 @pytest.mark.parametrize(
