@@ -215,6 +215,8 @@ class Alignment:
     folded_reference: list[str] = field(default_factory=list)
     folded_candidate: list[str] = field(default_factory=list)
     """Calls that return their own input (hook points, ``nn.Identity``, eval dropout): shown, never paired."""
+    lost: list[str] = field(default_factory=list)
+    """Reference calls a rule (or a pinned alignment) pairs with a candidate call that does not exist."""
 
     def by_reference(self) -> dict[str, Pair]:
         return {pair.reference: pair for pair in self.pairs}
@@ -227,7 +229,7 @@ class Alignment:
         return yaml.safe_dump({"rules": [rule.to_yaml() for rule in rules]}, sort_keys=False, width=200)
 
 
-def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Alignment:
+def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pinned: bool = False) -> Alignment:
     """Align the calls of two traces from evidence a numerical bug cannot change.
 
     In order: the user's rules; parameter fingerprints (equal weights, up to layout and cast, are the same
@@ -235,6 +237,10 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
     where fingerprints do not contradict them; then order, shape, class and names between those anchors.
     Output statistics never decide a pair. Calls that return their own input (hook points, ``nn.Identity``,
     eval dropout) are folded: listed, never paired.
+
+    ``pinned``: ``rules`` are a frozen alignment (``report/alignment.yaml`` of an earlier run) and the only
+    evidence: nothing else is paired, and a rule whose candidate call no longer exists is listed in
+    :attr:`Alignment.lost`.
     """
     rules = list(rules)
     ref_calls, cand_calls = reference.calls, candidate.calls
@@ -251,14 +257,17 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
         if pair.candidate_part is None:
             taken.add(j)
 
+    lost: list[str] = []
     for position, call in enumerate(ref_calls):
         if position in folded_ref:
             continue
-        pair = _by_rule(call, rules, cand_by_key)
+        pair = _by_rule(call, rules, cand_by_key, lost)
         if pair is None:
             ignored.append(call.key)
         elif isinstance(pair, Pair) and cand_position[pair.candidate] not in taken:
             fix(position, cand_position[pair.candidate], pair)
+    if pinned:
+        return _alignment(ref_calls, cand_calls, fixed, ignored, folded_ref, folded_cand, lost)
     skipped = set(fixed) | folded_ref
     open_ref = [i for i in range(len(ref_calls)) if i not in skipped and ref_calls[i].key not in ignored]
     structured = bool(ref_prints and cand_prints)
@@ -281,7 +290,20 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
     automatic = _align_segments(ref_calls, cand_calls, anchors, skip_ref, skip_cand, ref_prints, cand_prints)
     taken_cand = skip_cand | {cand_position[pair.candidate] for pair in automatic.values()}
     automatic |= _rescue(ref_calls, cand_calls, skip_ref | set(automatic), taken_cand)
-    pairs_by_ref = {r: pair for r, (_, pair) in fixed.items()} | automatic
+    return _alignment(ref_calls, cand_calls, fixed, ignored, folded_ref, folded_cand, [], automatic)
+
+
+def _alignment(
+    ref_calls: list[CallRecord],
+    cand_calls: list[CallRecord],
+    fixed: dict[int, tuple[int, Pair]],
+    ignored: list[str],
+    folded_ref: set[int],
+    folded_cand: set[int],
+    lost: list[str],
+    automatic: dict[int, Pair] | None = None,
+) -> Alignment:
+    pairs_by_ref = {r: pair for r, (_, pair) in fixed.items()} | (automatic or {})
     pairs = [pairs_by_ref[i] for i in sorted(pairs_by_ref)]
     matched_cand = {pair.candidate for pair in pairs}
     return Alignment(
@@ -297,6 +319,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = ()) -> Ali
         ignored_reference=ignored,
         folded_reference=[ref_calls[i].key for i in sorted(folded_ref)],
         folded_candidate=[cand_calls[j].key for j in sorted(folded_cand)],
+        lost=lost,
     )
 
 
@@ -323,8 +346,11 @@ def _primary_input(call: CallRecord) -> Node | None:
     return next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
 
 
-def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRecord]) -> Pair | bool | None:
-    """The pair a rule gives, ``None`` if a rule leaves the call unmatched, ``False`` if no rule applies."""
+def _by_rule(
+    call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRecord], lost: list[str]
+) -> Pair | bool | None:
+    """The pair a rule gives, ``None`` if a rule leaves the call unmatched, ``False`` if no rule applies
+    (a rule whose candidate call does not exist adds the reference call to ``lost``)."""
     for rule in rules:
         target = rule.match(call.path)
         if target is False:
@@ -333,6 +359,7 @@ def _by_rule(call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRec
             return None
         key = f"{target}#{call.call_index}"
         if key not in cand_by_key:
+            lost.append(call.key)
             return False
         return Pair(
             call.key,

@@ -219,25 +219,35 @@ def compare_traces(
     tolerances: Tolerances | None = None,
     noise_floor: Mapping[str, float] | None = None,
     noise_multiple: float = NOISE_MULTIPLE,
+    pinned: bool = False,
 ) -> Report:
     """Compare ``candidate`` against ``reference``.
+
+    With ``pinned``, ``rules`` are a frozen alignment: nothing else is paired, and a pinned pair whose
+    candidate call no longer exists fails its row (the candidate's structure changed: re-pin on purpose).
 
     ``noise_floor`` maps reference call keys to the relative L2 error that precision alone causes there
     (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes.
     """
-    alignment = alignment or align(reference, candidate, rules)
+    alignment = alignment or align(reference, candidate, rules, pinned=pinned)
     tolerances = tolerances or Tolerances()
     memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]] = {}
     pairs = alignment.by_reference()
     ignored = set(alignment.ignored_reference)
     rows: list[Row] = []
     folded = set(alignment.folded_reference)
+    lost = set(alignment.lost) if pinned else set()
     for call in reference.calls:
         pair = pairs.get(call.key)
         if call.key in folded:
             rows.append(_unmatched_row(call, "returns its input: folded into the call that produced it", "identity"))
             continue
         if pair is None:
+            if call.key in lost:
+                row = _unmatched_row(call, "paired by the pinned alignment, but that candidate call no longer exists")
+                row.verdict = "fail"
+                rows.append(row)
+                continue
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
@@ -464,7 +474,8 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
         upstream = _producer(by_index, reference, producer)
         if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
             producer.diverged = True
-            producer.note = "no counterpart; its consumers' inputs diverge while its own input agrees"
+            finding = "no counterpart; its consumers' inputs diverge while its own input agrees"
+            producer.note = f"{producer.note}; {finding}" if producer.note else finding
             if producer not in starts:
                 starts.append(producer)
     if not starts:

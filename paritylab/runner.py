@@ -192,9 +192,12 @@ class _Session:
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
+        pinned = bool(cfg.compare.alignment)
+        if pinned:
+            rules = load_rules(resolve_path(str(cfg.compare.alignment)))
         report = compare_traces(
             ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors.free_run if floors else None,
-            noise_multiple=float(cfg.compare.noise_multiple),
+            noise_multiple=float(cfg.compare.noise_multiple), pinned=pinned,
         )  # fmt: skip
         self.report = report
         self._write_report()

@@ -145,3 +145,33 @@ def test_code_level_bugs_are_named_exactly(name, bug, expected, tmp_path):
     assert not report.passed
     assert report.first_divergence.path == expected, report.culprit_reason
     assert report.origins[0] is report.first_divergence  # one culprit: the fields agree
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_a_frozen_alignment_is_reused_and_a_lost_pair_is_a_finding(tmp_path):
+    """report/alignment.yaml of one run, pinned in the next: the same pairs (fused parts included); when the
+    candidate's structure changes, the pinned pair whose call is gone fails its row instead of re-pairing."""
+    from paritylab.alignment import load_rules
+    from paritylab.comparison import compare_traces
+
+    case = PAIRS["llama"](torch.float32)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    first = _judge(case, tmp_path, "first", reference_trace)
+    frozen = tmp_path / "alignment.yaml"
+    frozen.write_text(first.alignment.to_yaml())
+    candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / "again")
+    again = compare_traces(reference_trace, candidate_trace, rules=load_rules(frozen), pinned=True)
+    assert [(p.reference, p.candidate) for p in again.alignment.pairs] == [
+        (p.reference, p.candidate) for p in first.alignment.pairs
+    ]
+    assert again.passed
+    _missing_norm(case.candidate)
+    changed = compare_traces(
+        reference_trace,
+        trace_model(case.candidate, case.candidate_call, tmp_path / "changed"),
+        rules=load_rules(frozen),
+        pinned=True,
+    )
+    assert changed.alignment.lost == ["model.layers.1.post_attention_layernorm#0"]
+    row = next(row for row in changed.rows if row.path == "model.layers.1.post_attention_layernorm")
+    assert row.verdict == "fail" and "no longer exists" in row.note and not changed.passed
