@@ -222,10 +222,17 @@ class Alignment:
         return {pair.reference: pair for pair in self.pairs}
 
     def to_yaml(self) -> str:
-        """The alignment as rules (numbers generalised to ``{}`` where consistent), to inspect, edit and reuse."""
+        """The alignment as rules (numbers generalised to ``{}`` where consistent), to inspect, edit and reuse.
+
+        Modules no call of which was paired come first as ``candidate: null`` rules (first match wins), so a
+        generalised rule never pairs what this alignment left unmatched: pinned, it reproduces it exactly.
+        """
         import yaml
 
-        rules = _generalise(self.pairs) + [Rule(_path(key), None) for key in _unique_paths(self.ignored_reference)]
+        paired = {_path(pair.reference) for pair in self.pairs}
+        unpaired = [path for path in _unique_paths(self.unmatched_reference) if path not in paired]
+        rules = [Rule(path, None) for path in unpaired] + _generalise(self.pairs)
+        rules += [Rule(_path(key), None) for key in _unique_paths(self.ignored_reference)]
         return yaml.safe_dump({"rules": [rule.to_yaml() for rule in rules]}, sort_keys=False, width=200)
 
 

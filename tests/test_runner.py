@@ -249,3 +249,14 @@ def test_per_module_tolerance_overrides(tmp_path):
         after["model.language_model.norm"].tolerance.rtol == 1.3e-6
         and after["model.language_model.norm"].verdict == "fail"
     )
+
+
+def test_a_run_pinned_to_an_earlier_runs_alignment_uses_exactly_its_pairs(tmp_path):
+    first, _ = run_with(tmp_path / "a", "compare.replay=false", "tracking=off")
+    frozen = first.directory / "report" / "alignment.yaml"
+    second, _ = run_with(tmp_path / "b", "compare.replay=false", "tracking=off", f"compare.alignment={frozen}")
+    assert first.exit_code == second.exit_code == 0
+    assert [(p.reference, p.candidate) for p in second.report.alignment.pairs] == [
+        (p.reference, p.candidate) for p in first.report.alignment.pairs
+    ]
+    assert {p.source for p in second.report.alignment.pairs} == {"rule"}
