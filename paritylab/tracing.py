@@ -94,7 +94,7 @@ class Tracer:
         if self.options.save_tensors and self.directory is None:
             raise ValueError("save_tensors=True needs a directory to stream tensors to: pass directory=")
         self.trace = Trace(directory=self.directory)
-        self._stack: list[tuple[CallRecord, BaseException | None]] = []
+        self._stack: list[tuple[CallRecord, BaseException | None, dict[int, int | None]]] = []
         self._counts: dict[str, int] = {}
         self._stats = StatsBatch()
         self._stats_targets: list[tuple[Node, int]] = []
@@ -201,19 +201,20 @@ class Tracer:
                 if isinstance(tensor, torch.Tensor):
                     self._store.protect(tensor)
         self.trace.calls.append(record)
-        self._stack.append((record, sys.exc_info()[1]))
+        versions = {id(t): tensor_version(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        self._stack.append((record, sys.exc_info()[1], versions))
 
     def _close_call(self, path: str, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._stack or self._stack[-1][0].path != path:
             return  # unbalanced (a hook of ours failed on entry); nothing to close
-        record, ambient = self._stack.pop()
+        record, ambient, versions = self._stack.pop()
         raised = sys.exc_info()[1]
         if raised is not None and raised is not ambient:
             record.error = f"{type(raised).__name__}: {raised}"
             if self._raised_at is None:
                 self._raised_at = record.key
             return
-        record.identity = _returns_its_input(output, args, kwargs)
+        record.identity = _returns_its_input(output, args, kwargs, versions)
         if self.options.outputs:
             self._side = "outputs"
             self._out_seen.clear()
@@ -286,7 +287,7 @@ class Tracer:
     # -- finishing -----------------------------------------------------------------------------------------
 
     def _finish(self, error: BaseException | None) -> None:
-        for call, _ in self._stack:  # calls still open when the forward was interrupted
+        for call, _, _ in self._stack:  # calls still open when the forward was interrupted
             call.error = call.error or "interrupted"
         self._stack.clear()
         for (node, _), stats in zip(self._stats_targets, self._resolve_stats(), strict=True):
@@ -424,13 +425,21 @@ def _slot(output: Any, index: int | str | None) -> str:
     return f"outputs.{index}"
 
 
-def _returns_its_input(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the call's primary output is one of its input tensors, or a same-shape view of one."""
+def _returns_its_input(
+    output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], versions: dict[int, int | None]
+) -> bool:
+    """Whether the call's primary output is one of its input tensors, unchanged (same version counter as when
+    the call began: ``ReLU(inplace=True)`` returns its input modified), or a same-shape view of one."""
     if isinstance(output, tuple | list) and output:
         output = output[0]
     if not isinstance(output, torch.Tensor):
         return False
     for value in (*args, *kwargs.values()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        before = versions.get(id(value))
+        if before is None or tensor_version(value) != before:
+            continue  # changed in place (or no version counter to prove it was not)
         if value is output:
             return True
         if (

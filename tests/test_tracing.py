@@ -12,6 +12,7 @@ from torch import nn
 import paritylab
 from paritylab import CaptureSpec, Trace
 from paritylab.stats import STAT_NAMES
+from tests.helpers import traced
 
 
 def keys(trace: Trace) -> list[str]:
@@ -363,3 +364,32 @@ def test_device_stats_path_agrees_with_the_cpu_path():
     assert resolved[0] == pytest.approx(expected, rel=1e-6)
     assert resolved[1]["nan"] == 1 and resolved[1]["inf"] == 1  # counted on the device; NaN propagates
     assert resolved[1]["mean"] is None
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.same = nn.Identity()
+        self.drop = nn.Dropout(0.5)
+        self.relu = nn.ReLU(inplace=True)
+        self.last = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.last(self.relu(self.drop(self.same(self.first(x)))))
+
+
+def test_identity_calls_and_dataflow_links(tmp_path):
+    model = _Chain().eval()
+    trace = traced(model, lambda m: m(torch.randn(2, 4)), tmp_path)
+    calls = {call.path: call for call in trace.calls}
+    assert calls["same"].identity and calls["drop"].identity  # returned their input unchanged
+    assert not calls["relu"].identity  # returned its input, but modified in place
+    assert not calls["first"].identity and not calls["last"].identity
+    from paritylab.values import iter_tensors
+
+    def producer(path: str) -> int | None:
+        return next(node for _, node in iter_tensors(calls[path].inputs, "inputs")).get("from")
+
+    assert producer("same") == calls["first"].index  # each input points back to the call that produced it
+    assert producer("relu") == calls["first"].index  # through the identity calls
