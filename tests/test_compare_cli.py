@@ -65,3 +65,18 @@ def test_tolerance_flags_and_bad_input(tmp_path):
     bad_rules = tmp_path / "rules.yaml"
     bad_rules.write_text("- {reference: a}\n")
     assert "needs 'reference' and 'candidate'" in compare(reference, reference, "--align", bad_rules).stderr
+
+
+def test_debugger_traces_with_reprs_are_inconclusive_never_a_pass(tmp_path):
+    """The debugger's default use_repr=True keeps summaries, not values: judged on them, never a PASS."""
+    traces = []
+    for name in ("ref", "same"):
+        model = tiny_llama()
+        with model_addition_debugger_context(model, debug_path=str(tmp_path / name), do_prune_layers=False):
+            model(IDS)
+        traces.append(tmp_path / name)
+    result = compare(*traces, "--json", tmp_path / "r.json")
+    assert result.returncode == 3, result.stdout[-800:] + result.stderr[-800:]
+    assert "INCONCLUSIVE" in result.stdout and "could not be compared by value" in result.stdout
+    summary = json.loads((tmp_path / "r.json").read_text())["summary"]
+    assert summary["verdict"] == "inconclusive" and summary["not_compared"] > 0
