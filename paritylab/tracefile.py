@@ -201,6 +201,7 @@ class Trace:
         path = Path(directory)
         if not path.is_dir():
             raise TraceFormatError(f"{path} is not a directory: pass the directory a trace was written to")
+        check_directory(path)
         if (path / TRACE_FILE).is_file():
             return _load_paritylab(path)
         from paritylab.debugger_format import find_debugger_file, read_debugger_trace
@@ -345,6 +346,34 @@ def write_json(path: Path, document: Any, indent: int | None = None) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
+
+
+MAX_ENTRIES = 100_000
+"""Entries a trace or run directory may hold (a directory with millions of files is not one of ours)."""
+
+
+def check_directory(path: Path, kind: str = "trace") -> None:
+    """Refuse a directory holding anything but regular files and directories: a symlink can lead outside it
+    (``trace.json -> /etc/...``), a FIFO blocks a reader forever, a device file reads without end."""
+    pending, seen = [path], 0
+    while pending:
+        folder = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                seen += 1
+                if seen > MAX_ENTRIES:
+                    raise TraceFormatError(f"{path} holds over {MAX_ENTRIES} entries: not a {kind} directory")
+                where = Path(entry.path).relative_to(path)
+                if entry.is_symlink():
+                    raise TraceFormatError(
+                        f"{path}: {where} is a symbolic link; a {kind} directory holds only real files: copy them in"
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif not entry.is_file(follow_symlinks=False):
+                    raise TraceFormatError(
+                        f"{path}: {where} is not a regular file (a FIFO, socket or device); remove it and retry"
+                    )
 
 
 def read_json(path: Path, limit: int = MAX_TRACE_JSON_BYTES) -> Any:

@@ -15,6 +15,9 @@ from paritylab.tracking import MlflowTracker, TrackingError
 
 def upload(directory: Path, uri: str | None = None, experiment: str | None = None) -> str | None:
     """Create a run from ``directory``'s ``tracking.json`` and files; returns its id."""
+    from paritylab.tracefile import check_directory
+
+    check_directory(directory, "run")  # nothing from outside the run directory is ever uploaded
     record = RunRecord.load(directory)
     tracker = MlflowTracker(uri or record.uri, experiment or record.experiment)
     tags = {**record.tags, "paritylab.uploaded_from": str(directory.resolve())}

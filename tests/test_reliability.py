@@ -444,3 +444,44 @@ def test_names_with_control_characters_are_escaped_on_the_terminal_and_html_in_m
     row = Row(0, "a\x1b[31m", Side("a\x1b[31m#0"), Side("b\r#0"), "compared", "pass")
     assert all(cell.isprintable() for cell in _cells(row))
     assert _md_escape("<script>alert(1)</script>") == "&lt;script&gt;alert(1)&lt;/script&gt;"
+
+
+def _compare_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "paritylab.compare", *map(str, args)], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("hostile", ["fifo", "symlink_out", "dev_zero", "nested_symlink"])
+def test_hostile_trace_directories_are_refused_in_one_line(good_trace, tmp_path, hostile):
+    """A FIFO would block the reader forever, /dev/zero would be read until memory runs out, a symlink leads
+    outside the directory: each is refused before any file is opened (one line, exit 2, within the timeout)."""
+    target = copy_trace(good_trace, tmp_path / "hostile")
+    if hostile == "fifo":
+        os.mkfifo(target / "model_debug_tree_FULL_TENSORS.json")
+    elif hostile == "symlink_out":
+        outside = tmp_path / "outside.json"
+        outside.write_text((target / "trace.json").read_text())
+        (target / "trace.json").unlink()
+        (target / "trace.json").symlink_to(outside)
+    elif hostile == "dev_zero":
+        (target / "model_debug_tree_FULL_TENSORS.json").symlink_to("/dev/zero")
+    else:
+        (target / "sub").mkdir()
+        (target / "sub" / "link").symlink_to(tmp_path)
+    result = _compare_cli(good_trace, target)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "symbolic link" in result.stderr or "not a regular file" in result.stderr
+
+
+def test_upload_never_follows_a_symlink_out_of_the_run_directory(tmp_path):
+    from paritylab.upload import main as upload_main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "secret.txt").write_text("not yours")
+    (run_dir / "tracking.json").write_text("{}")
+    (run_dir / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    assert upload_main([str(run_dir), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 2
+    assert not (tmp_path / "mlflow.db").exists()  # refused before any tracking
