@@ -533,6 +533,12 @@ def _side(key: str, slot: str | None, node: Node | None, cut: Part | None) -> Si
     return Side(key, slot, node["dtype"], _sliced_shape(node["shape"], cut))
 
 
+def primary_output(trace: Trace, call: CallRecord) -> torch.Tensor | None:
+    """The saved value of ``call``'s primary (first tensor) output, or ``None`` when it was not saved."""
+    node = _node_at(call, first_tensor_slot(call.outputs, "outputs"))
+    return trace.tensor(node) if node is not None else None
+
+
 def _node_at(call: CallRecord, slot: str | None) -> Node | None:
     if slot is None:
         return None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from paritylab.alignment import Rule, align
-from paritylab.comparison import Report, compare_traces
+from paritylab.comparison import Report, compare_traces, primary_output
 from paritylab.comparison import noise_floor as free_run_floor
 from paritylab.metrics import Tolerance, Tolerances, divergence
 from paritylab.replay import attach_replay, isolated_replay
@@ -89,22 +89,13 @@ def estimate_floors(
     local_metrics: dict[str, dict[str, float]] = {}
     for pair in alignment.pairs:
         ref_call, own = reference_trace.call(pair.reference), replayed.call(pair.candidate)
-        ref_value, own_value = _primary_value(reference_trace, ref_call), _primary_value(replayed, own)
+        ref_value, own_value = primary_output(reference_trace, ref_call), primary_output(replayed, own)
         if ref_value is None or own_value is None or ref_value.shape != own_value.shape:
             continue
         metrics = divergence(ref_value, own_value, Tolerance(0.0, 0.0))
         if metrics["rel_l2"] == metrics["rel_l2"]:  # not NaN
             local_metrics[pair.reference] = metrics
     return Floors(dtype, free_run_floor(exact, low), local_metrics)
-
-
-def _primary_value(trace: Trace, call: Any) -> torch.Tensor | None:
-    from paritylab.alignment import primary_slot
-    from paritylab.values import iter_tensors
-
-    slot = primary_slot(call, None)
-    node = dict(iter_tensors(call.outputs, "outputs")).get(slot) if slot else None
-    return trace.tensor(node) if node is not None else None
 
 
 def check(
