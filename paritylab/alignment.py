@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.patterns import compile_pattern, fill
-from paritylab.structure import ModulePrint, prints_from_meta
+from paritylab.structure import ModulePrint, inner_digests, prints_from_meta, restrict_to_called
 from paritylab.tracefile import CallRecord, Trace
 from paritylab.values import Node, first_tensor_slot, iter_tensors
 
@@ -254,7 +254,8 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     folded_ref, folded_cand = _folded(ref_calls), _folded(cand_calls)
     cand_by_key = {call.key: call for i, call in enumerate(cand_calls) if i not in folded_cand}
     cand_position = {call.key: position for position, call in enumerate(cand_calls)}
-    ref_prints, cand_prints = prints_from_meta(reference.meta), prints_from_meta(candidate.meta)
+    ref_prints = restrict_to_called(prints_from_meta(reference.meta), {call.path for call in ref_calls})
+    cand_prints = restrict_to_called(prints_from_meta(candidate.meta), {call.path for call in cand_calls})
     fixed: dict[int, tuple[int, Pair]] = {}
     ignored: list[str] = []
     taken: set[int] = set(folded_cand)
@@ -279,7 +280,8 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     open_ref = [i for i in range(len(ref_calls)) if i not in skipped and ref_calls[i].key not in ignored]
     structured = bool(ref_prints and cand_prints)
     if structured:
-        for i, j, pair in _by_fingerprint(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints):
+        known = {i: j for i, (j, _) in fixed.items()}
+        for i, j, pair in _by_fingerprint(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints, known):
             fix(i, j, pair)
         open_ref = [i for i in open_ref if i not in fixed]
     for i in open_ref:
@@ -296,7 +298,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     skip_cand = set(taken) | {c for c, _ in fixed.values()}
     automatic = _align_segments(ref_calls, cand_calls, anchors, skip_ref, skip_cand, ref_prints, cand_prints)
     taken_cand = skip_cand | {cand_position[pair.candidate] for pair in automatic.values()}
-    automatic |= _rescue(ref_calls, cand_calls, skip_ref | set(automatic), taken_cand)
+    automatic |= _rescue(ref_calls, cand_calls, skip_ref | set(automatic), taken_cand, ref_prints, cand_prints)
     return _alignment(ref_calls, cand_calls, fixed, ignored, folded_ref, folded_cand, [], automatic)
 
 
@@ -388,11 +390,14 @@ def _by_fingerprint(
     taken: set[int],
     ref_prints: dict[str, ModulePrint],
     cand_prints: dict[str, ModulePrint],
+    known: dict[int, int],
 ) -> list[tuple[int, int, Pair]]:
     """Calls of modules with equal parameter fingerprints, paired in execution order within each group.
 
-    A group with as many calls on both sides pairs them in order; otherwise (a module wrapping just one
-    child, weights shared by several modules) order, shape, class and names choose within the group.
+    A group with as many calls on both sides pairs them in order. In the others (a module wrapping just one
+    child, weights shared by several modules, freshly initialised norms that all hold ones) only pairs that
+    data flow confirms are fixed here (the calls that produced their inputs are paired with each other:
+    ``known`` and the groups decided in order); the rest is left to the ordered pass between anchors.
     """
     ref_groups: dict[int, list[int]] = {}
     for i in open_ref:
@@ -404,23 +409,46 @@ def _by_fingerprint(
         item = cand_prints.get(call.path)
         if j not in taken and item is not None and item.numel and item.digest in ref_groups:
             cand_groups.setdefault(item.digest, []).append(j)
-    found: list[tuple[int, int, Pair]] = []
+    decided: list[tuple[int, int, float]] = []
+    ambiguous: list[tuple[list[int], list[int]]] = []
     for digest, rows in ref_groups.items():
         cols = cand_groups.get(digest)
         if not cols:
             continue
         in_order = list(zip(rows, cols, strict=False))
         if len(rows) == len(cols) and all(_fits(ref_calls[i], cand_calls[j]) for i, j in in_order):
-            matches = [(i, j, 1.0) for i, j in in_order]
+            decided += [(i, j, 1.0) for i, j in in_order]
         else:
-            ref_features = {i: _Features.of(ref_calls[i]) for i in rows}
-            cand_features = {j: _Features.of(cand_calls[j]) for j in cols}
-            matches = _dp(rows, cols, lambda i, j, r=ref_features, c=cand_features: _within_group(r[i], c[j]))
-        for i, j, score in matches:
-            same = ref_calls[i].key == cand_calls[j].key
-            source = "identity" if same else "structure"
-            found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))))
+            ambiguous.append((rows, cols))
+    flow = dict(known) | {i: j for i, j, _ in decided}
+    for rows, cols in ambiguous:
+        ref_features = {i: _Features.of(ref_calls[i]) for i in rows}
+        cand_features = {j: _Features.of(cand_calls[j]) for j in cols}
+
+        def confirmed(
+            i: int, j: int, r: dict[int, _Features] = ref_features, c: dict[int, _Features] = cand_features
+        ) -> float:
+            return _within_group(r[i], c[j]) if _same_source(ref_calls[i], cand_calls[j], flow) > 0 else 0.0
+
+        decided += _dp(rows, cols, confirmed)
+    found: list[tuple[int, int, Pair]] = []
+    for i, j, score in decided:
+        source = "identity" if ref_calls[i].key == cand_calls[j].key else "structure"
+        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))))
     return found
+
+
+def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) -> float:
+    """1 when the calls that produced the two primary inputs are paired with each other, -0.5 when the
+    reference input's producer is paired with another call, 0 when data flow says nothing."""
+    ref_node, cand_node = _primary_input(ref), _primary_input(cand)
+    ref_from = ref_node.get("from") if ref_node else None
+    cand_from = cand_node.get("from") if cand_node else None
+    if not isinstance(ref_from, int) or ref_from not in pairs:
+        return 0.0
+    if pairs[ref_from] == cand_from:
+        return 1.0
+    return -0.5 if isinstance(cand_from, int) else 0.0
 
 
 def _fits(ref: CallRecord, cand: CallRecord) -> bool:
@@ -572,27 +600,41 @@ def _align_segments(
     bounds = [(-1, -1), *anchors, (len(ref_calls), len(cand_calls))]
     found: dict[int, Pair] = {}
     features: dict[tuple[int, int], _Features] = {}
+    inner = (inner_digests(ref_prints), inner_digests(cand_prints))
 
     def feature(side: int, position: int) -> _Features:
         key = (side, position)
         if key not in features:
             call = (ref_calls, cand_calls)[side][position]
-            features[key] = _Features.of(call, (ref_prints, cand_prints)[side].get(call.path))
+            prints = (ref_prints, cand_prints)[side]
+            features[key] = _Features.of(call, prints.get(call.path), inner[side].get(call.path, frozenset()))
         return features[key]
 
     for (r0, c0), (r1, c1) in itertools.pairwise(bounds):
         rows = [i for i in range(r0 + 1, r1) if i not in skip_ref]
         cols = [j for j in range(c0 + 1, c1) if j not in skip_cand]
         for i, j, score in _dp(rows, cols, lambda i, j: feature(0, i).similarity(feature(1, j))):
-            found[i] = Pair(ref_calls[i].key, cand_calls[j].key, "auto", round(score, 4))
+            weights = feature(0, i).weights
+            source = "structure" if weights is not None and weights == feature(1, j).weights else "auto"
+            found[i] = Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))
     return found
 
 
 def _rescue(
-    ref_calls: list[CallRecord], cand_calls: list[CallRecord], skip_ref: set[int], skip_cand: set[int]
+    ref_calls: list[CallRecord],
+    cand_calls: list[CallRecord],
+    skip_ref: set[int],
+    skip_cand: set[int],
+    ref_prints: dict[str, ModulePrint],
+    cand_prints: dict[str, ModulePrint],
 ) -> dict[int, Pair]:
     """Greedy best-first matching of what the ordered pass left (branches run in another order), on
-    structure alone: equal output shapes and strong name evidence."""
+    structure alone: equal output shapes and strong name evidence, unless the weights say otherwise."""
+    ref_inner, cand_inner = inner_digests(ref_prints), inner_digests(cand_prints)
+
+    def features(call: CallRecord, prints: dict[str, ModulePrint], inner: dict[str, frozenset[int]]) -> _Features:
+        return _Features.of(call, prints.get(call.path), inner.get(call.path, frozenset()))
+
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for j in range(len(cand_calls)):
         shape = _shape(cand_calls[j]) if j not in skip_cand else None
@@ -603,10 +645,11 @@ def _rescue(
         shape = _shape(ref_calls[i]) if i not in skip_ref else None
         if shape is None:
             continue
-        ref = _Features.of(ref_calls[i])
+        ref = features(ref_calls[i], ref_prints, ref_inner)
         for j in by_shape.get(shape, [])[:MAX_RESCUE]:
-            score = ref.structure(_Features.of(cand_calls[j]))
-            if score >= RESCUE_SCORE:
+            other = features(cand_calls[j], cand_prints, cand_inner)
+            score = ref.structure(other)
+            if score >= RESCUE_SCORE and not ref.contradicts(other):
                 scored.append((score, -abs(i - j), i, j))
     found: dict[int, Pair] = {}
     used: set[int] = set()
@@ -674,9 +717,11 @@ class _Features:
     depth: int
     weights: int | None = None
     """The module's parameter fingerprint, when it holds parameters and the trace carries fingerprints."""
+    inner: frozenset[int] = frozenset()
+    """The fingerprints of its descendants that hold parameters."""
 
     @classmethod
-    def of(cls, call: CallRecord, item: ModulePrint | None = None) -> _Features:
+    def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
         node = _primary(call.outputs)
         leaf = call.path.rsplit(".", 1)[-1] if call.path else ""
         return cls(
@@ -687,7 +732,16 @@ class _Features:
             numbers=_layer_numbers(call.path),
             depth=call.depth,
             weights=item.digest if item is not None and item.numel else None,
+            inner=inner,
         )
+
+    def contradicts(self, other: _Features) -> bool:
+        """The weights rule the pair out: they differ, and one side's weights are exactly those of a part of
+        the other (a wrapper around what the other computes plus more, such as a patch projection against a
+        patch embedding that also adds position embeddings)."""
+        if self.weights is None or other.weights is None or self.weights == other.weights:
+            return False
+        return self.weights in other.inner or other.weights in self.inner
 
     def similarity(self, other: _Features) -> float:
         """0 unless output shapes agree and layer numbers do not rule the pair out; else structural
@@ -698,9 +752,11 @@ class _Features:
             return 0.0
         if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
             return 0.0
+        if self.weights is not None and self.weights == other.weights:
+            return 1.0  # the same weights: as strong as evidence gets (a group the weights alone could not order)
         structure = self.structure(other)
         differ = self.weights is not None and other.weights is not None and self.weights != other.weights
-        if differ and structure < MIN_STRUCTURE:
+        if differ and (structure < MIN_STRUCTURE or self.contradicts(other)):
             return 0.0
         return MIN_AUTO_SCORE + (1 - MIN_AUTO_SCORE) * structure
 

@@ -237,6 +237,11 @@ def compare_traces(
     rows: list[Row] = []
     folded = set(alignment.folded_reference)
     lost = set(alignment.lost) if pinned else set()
+    partner = {
+        reference.call(pair.reference).index: candidate.call(pair.candidate).index
+        for pair in alignment.pairs
+        if pair.reference_part is None and pair.candidate_part is None
+    }
     for call in reference.calls:
         pair = pairs.get(call.key)
         if call.key in folded:
@@ -251,7 +256,7 @@ def compare_traces(
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo)
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         rows.append(row)
@@ -299,9 +304,12 @@ def _compare_pair(
     pair: Pair,
     tolerances: Tolerances,
     memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
+    partner: Mapping[int, int],
 ) -> Row:
     ref_slot = primary_slot(ref_call, pair.reference_index)
     cand_slot = primary_slot(cand_call, pair.candidate_index)
+    if pair.reference_index is None and pair.candidate_index is None:
+        ref_slot, cand_slot = _dataflow_slots(ref_call, cand_call, ref_slot, cand_slot, partner)
     ref_node = _node_at(ref_call, ref_slot)
     cand_node = _node_at(cand_call, cand_slot)
     row = Row(
@@ -330,6 +338,46 @@ def _compare_pair(
             memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
         )
     return row
+
+
+def _dataflow_slots(
+    ref_call: CallRecord,
+    cand_call: CallRecord,
+    ref_slot: str | None,
+    cand_slot: str | None,
+    partner: Mapping[int, int],
+) -> tuple[str | None, str | None]:
+    """The output slots to compare, by data flow where the outputs are tensors returned as inner calls made
+    them (a model returning its final norm's and its pooler's outputs): the candidate slot holding what the
+    partner of the reference slot's producer made, wherever it sits in the candidate's output structure
+    (``(pooled, hidden_states)`` against ``last_hidden_state, pooler_output``). The primary slots are kept
+    when data flow says nothing and their shapes fit; otherwise the first reference output whose counterpart
+    the candidate returns is compared."""
+    produced = {item["from"]: slot for slot, item in iter_tensors(cand_call.outputs, "outputs") if "from" in item}
+    if not produced:
+        return ref_slot, cand_slot
+
+    def counterpart(slot: str | None) -> str | None:
+        node = _node_at(ref_call, slot)
+        origin = node.get("from") if node is not None else None
+        target = partner.get(origin) if isinstance(origin, int) else None
+        return produced.get(target) if target is not None else None
+
+    found = counterpart(ref_slot)
+    if found is not None:
+        return ref_slot, found
+    ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+    if ref_node is not None and cand_node is not None and _shapes_fit(ref_node["shape"], cand_node["shape"]):
+        return ref_slot, cand_slot
+    for slot, _ in iter_tensors(ref_call.outputs, "outputs"):
+        found = counterpart(slot)
+        if found is not None:
+            return slot, found
+    return ref_slot, cand_slot
+
+
+def _shapes_fit(a: list[int], b: list[int]) -> bool:
+    return a == b or broadcastable(a, b)
 
 
 def _judge_once(
@@ -424,7 +472,7 @@ def _mark_divergence(row: Row, noise_multiple: float) -> None:
         row.input_diverged = False  # the row adds far more than it received: a second origin
 
 
-def _producer(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> Row | None:
+def producer_row(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> Row | None:
     """The row of the call that produced ``row``'s primary input, looking through folded identity calls."""
     seen: set[int] = set()
     current = row
@@ -446,7 +494,7 @@ def _infer_inputs(rows: list[Row], reference: Trace) -> None:
     for row in rows:
         if row.input_known or not row.diverged:
             continue
-        producer = _producer(by_index, reference, row)
+        producer = producer_row(by_index, reference, row)
         if producer is not None and producer.status in _JUDGED:
             row.input_known, row.input_diverged = True, producer.diverged
 
@@ -468,10 +516,10 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
     for row in rows:
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
-        producer = _producer(by_index, reference, row)
+        producer = producer_row(by_index, reference, row)
         if producer is None or producer.status != "unmatched":
             continue
-        upstream = _producer(by_index, reference, producer)
+        upstream = producer_row(by_index, reference, producer)
         if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
             producer.diverged = True
             finding = "no counterpart; its consumers' inputs diverge while its own input agrees"

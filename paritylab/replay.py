@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.alignment import Alignment, Pair, Part, primary_slot
-from paritylab.comparison import Report, Row, ancestors, compare_traces, innermost, relative_error
+from paritylab.alignment import Alignment, Pair, Part, broadcastable, primary_slot
+from paritylab.comparison import Report, Row, ancestors, compare_traces, innermost, producer_row, relative_error
 from paritylab.metrics import Tolerances
-from paritylab.tracefile import Trace
+from paritylab.tracefile import CallRecord, Trace
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.values import iter_tensors
 
@@ -123,6 +123,8 @@ def replace_slot(value: Any, parts: list[str], replacement: _Replacement) -> Any
 def _swap(tensor: torch.Tensor, replacement: _Replacement) -> torch.Tensor:
     new = replacement.value.to(device=tensor.device, dtype=tensor.dtype)
     if replacement.cut is None:
+        if new.shape != tensor.shape and broadcastable(list(new.shape), list(tensor.shape)):
+            new = new.expand(torch.broadcast_shapes(new.shape, tensor.shape))  # a size-1 dimension one side kept
         return new if new.shape == tensor.shape else tensor
     cut = replacement.cut
     if cut.select(tensor).shape != new.shape:
@@ -153,6 +155,8 @@ def attach_replay(
     """
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
     local_rows = {row.index: row for row in replay_report.rows}
+    fed_wrong: dict[int, tuple[Row, str]] = {}
+    by_index = {row.index: row for row in report.rows}
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -163,6 +167,11 @@ def attach_replay(
         floor = (local_floor or {}).get(row.reference.key)
         reason = beyond_floor(local.metrics, floor, row.reference.dtype) if floor is not None else None
         diverged = local.diverged if floor is None else reason is not None
+        if diverged and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
+            blamed = _unreplaced_source(row, by_index, reference)
+            if blamed is not None:  # not its own error: it was given a value the replay could not replace
+                fed_wrong.setdefault(blamed[0].index, blamed)
+                diverged, reason = False, None
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
         if floor is not None:
             row.local["local_floor"] = floor["rel_l2"]
@@ -173,6 +182,11 @@ def attach_replay(
         if reason and row.verdict == "pass" and row.status != "identity":
             row.verdict, row.note = "fail", f"{reason} (isolated replay)"
     own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
+    for culprit, note in fed_wrong.values():
+        culprit.verdict, culprit.note = "fail", note
+        if culprit not in own_errors:
+            own_errors.append(culprit)
+    own_errors.sort(key=lambda r: r.index)
     for row in report.origins:  # relative error beyond the margin, hidden under atol, and confirmed as its own
         if row.verdict == "pass" and row.local.get("local_diverged"):
             row.verdict = "fail"
@@ -180,6 +194,33 @@ def attach_replay(
     report.replay_origins = innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
+
+
+def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord) -> bool:
+    """In the replay, the row's floating-point input differs from the reference's although every paired
+    module upstream was given the reference's values (integer inputs, such as token or position ids, are
+    what each implementation chose to pass, not values an upstream error could have changed)."""
+    node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
+    if not local.input_metrics or node is None or not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+        return False
+    if floor is None:
+        return local.input_diverged
+    return beyond_floor(local.input_metrics, floor, dtype) is not None
+
+
+def _unreplaced_source(row: Row, by_index: Mapping[int, Row], reference: Trace) -> tuple[Row, str] | None:
+    """Where a value the replay could not replace was made: the module with no counterpart that produced the
+    row's input (data flow, through folded calls), else the parent's own code between its children."""
+    where = row.path or "<root>"
+    producer = producer_row(dict(by_index), reference, row)
+    if producer is not None and producer.status == "unmatched":
+        note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
+        return producer, note + " (isolated replay)"
+    parent = by_index.get(row.parent) if row.parent is not None else None
+    if parent is None:
+        return None
+    note = f"its own code between its children gives {where} a value the reference does not, while every paired"
+    return parent, note + " module before it was given the reference's values (isolated replay)"
 
 
 REL_MULTIPLE = 4.5

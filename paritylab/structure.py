@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,3 +202,44 @@ def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
             return {}  # a damaged fingerprint is no evidence; alignment falls back to order and names
         prints[item.path] = item
     return prints
+
+
+def restrict_to_called(prints: dict[str, ModulePrint], called: set[str]) -> dict[str, ModulePrint]:
+    """``prints`` with the parameters of modules that never ran taken out of their ancestors' fingerprints.
+
+    An implementation may hold modules its forward never calls (a cross-attention norm kept for another
+    configuration, an unused head): their weights are not part of what the ancestors compute, so they must
+    not make two equal computations look different.
+    """
+    unused = [item for path, item in prints.items() if path not in called and item.params]
+    if not unused:
+        return prints
+    digest = {path: item.digest for path, item in prints.items()}
+    numel = {path: item.numel for path, item in prints.items()}
+    for item in unused:
+        own = sum(param.digest for param in item.params) & MASK
+        size = sum(math.prod(param.shape) for param in item.params)
+        path = item.path
+        while path:
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+            if path in digest:
+                digest[path] = (digest[path] - own) & MASK
+                numel[path] -= size
+    return {
+        path: dataclasses.replace(item, digest=digest[path] if numel[path] > 0 else 0, numel=max(0, numel[path]))
+        for path, item in prints.items()
+    }
+
+
+def inner_digests(prints: dict[str, ModulePrint]) -> dict[str, frozenset[int]]:
+    """Module path -> the fingerprints of its proper descendants that hold parameters."""
+    inner: dict[str, set[int]] = {}
+    for path, item in prints.items():
+        if not item.numel or not path:
+            continue
+        parent = path
+        while parent:
+            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+            if parent in prints:
+                inner.setdefault(parent, set()).add(item.digest)
+    return {path: frozenset(found) for path, found in inner.items()}

@@ -240,6 +240,8 @@ class Tracer:
             seen = self._record_tensor(tensor)
         if self._side == "outputs":
             self._out_seen.append(seen)
+            if seen.producer is not None:  # returned as an inner call produced it
+                node["from"] = seen.producer
         elif seen.producer is not None:
             node["from"] = seen.producer
         if seen.stats is not None:

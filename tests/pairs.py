@@ -27,6 +27,8 @@ class PairCase:
     candidate_call: Callable[[nn.Module], Any]
     sites: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cast_inputs: Callable[[torch.dtype], Callable[[nn.Module], Any]] | None = None
+    unpaired: tuple[str, ...] = ()
+    """Sites with no counterpart (the answer is the unmatched reference module in their place)."""
 
 
 def transformer_lens_available() -> str | None:
@@ -36,6 +38,22 @@ def transformer_lens_available() -> str | None:
     except Exception as error:  # ImportError, or a dependency that fails to import beside this torch
         return f"TransformerLens 3.x is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
     return None
+
+
+def monai_available() -> str | None:
+    """Why the MONAI pair cannot run here, or None when it can."""
+    try:
+        from monai.networks.nets import ViT  # noqa: F401
+    except Exception as error:
+        return f"MONAI is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
+def unavailable(name: str) -> str | None:
+    """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
+    if name == "llava":
+        return None
+    return monai_available() if name == "vit" else transformer_lens_available()
 
 
 def _ids(vocab: int, length: int = 12, batch: int = 2, seed: int = 1) -> torch.Tensor:
@@ -105,6 +123,41 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     )
 
 
+def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers GPTNeoXForCausalLM (parallel attention and MLP, rotary on a quarter of each head, one
+    fused qkv projection laid out per head) against TransformerLens' HookedTransformer."""
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_neox_weights
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=256, vocab_size=256,
+        max_position_embeddings=64, rotary_pct=0.25, use_parallel_residual=True, layer_norm_eps=1e-5,
+        hidden_act="gelu",
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = GPTNeoXForCausalLM(config).eval()
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64, eps=1e-5,
+        act_fn="gelu", normalization_type="LN", positional_embedding_type="rotary", rotary_dim=4,
+        rotary_adjacent_pairs=False, parallel_attn_mlp=True, default_prepend_bos=False, dtype=dtype,
+        original_architecture="GPTNeoXForCausalLM",
+    )  # fmt: skip
+    candidate = transformer_lens_model(tl_config, convert_neox_weights(reference, tl_config))
+    ids = _ids(256)
+    sites = {"embed": ("gpt_neox.embed_in",), "ln_final": ("gpt_neox.final_layer_norm",), "unembed": ("lm_head",)}
+    for i in range(layers):
+        sites |= {
+            f"blocks.{i}.ln1": (f"gpt_neox.layers.{i}.input_layernorm",),
+            f"blocks.{i}.attn": (f"gpt_neox.layers.{i}.attention",),
+            f"blocks.{i}.ln2": (f"gpt_neox.layers.{i}.post_attention_layernorm",),
+            f"blocks.{i}.mlp": (f"gpt_neox.layers.{i}.mlp",),
+        }
+    return PairCase("neox/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
 def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     """transformers LlavaForConditionalGeneration against our from-scratch port (positional forward)."""
     from experiments.llava_port import from_reference
@@ -141,6 +194,79 @@ def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     )
 
 
+def vit_monai(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers ViTModel against MONAI's ViT: a fused qkv projection, no class token in the patch
+    embedding (the class token is concatenated after it, so its position embedding is folded into it), a
+    pooled head returned first and hidden states before the final norm. MONAI has no converter from
+    transformers, so the mapping below is the whole conversion."""
+    from monai.networks.nets import ViT
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, image_size=32,
+        patch_size=8, layer_norm_eps=1e-5, hidden_act="gelu", qkv_bias=True,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = ViTModel(config).eval()
+        candidate = ViT(
+            in_channels=3, img_size=(32, 32), patch_size=(8, 8), hidden_size=64, mlp_dim=128, num_layers=layers,
+            num_heads=4, proj_type="conv", classification=True, num_classes=64, spatial_dims=2, qkv_bias=True,
+        ).eval()  # fmt: skip
+    weights = reference.state_dict()
+    position = weights["embeddings.position_embeddings"]
+    converted = {
+        "cls_token": weights["embeddings.cls_token"] + position[:, :1],
+        "patch_embedding.position_embeddings": position[:, 1:],
+        "patch_embedding.patch_embeddings.weight": weights["embeddings.patch_embeddings.projection.weight"],
+        "patch_embedding.patch_embeddings.bias": weights["embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": weights["layernorm.weight"],
+        "norm.bias": weights["layernorm.bias"],
+        "classification_head.0.weight": weights["pooler.dense.weight"],
+        "classification_head.0.bias": weights["pooler.dense.bias"],
+    }
+    for i in range(layers):
+        ours, theirs = f"blocks.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = [weights[f"{theirs}attention.{name}_proj.{kind}"] for name in "qkv"]
+            converted[f"{ours}attn.qkv.{kind}"] = torch.cat(qkv)
+            for mine, source in (
+                ("attn.out_proj", "attention.o_proj"), ("mlp.linear1", "mlp.fc1"), ("mlp.linear2", "mlp.fc2"),
+                ("norm1", "layernorm_before"), ("norm2", "layernorm_after"),
+            ):  # fmt: skip
+                converted[f"{ours}{mine}.{kind}"] = weights[f"{theirs}{source}.{kind}"]
+    candidate.load_state_dict(converted, strict=False)  # cross-attention norms: unused without cross-attention
+    candidate = candidate.to(dtype)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def cast(to: torch.dtype) -> Callable[[nn.Module], Any]:
+        return lambda m: m(pixel_values=pixels.to(to))
+
+    sites = {
+        "patch_embedding.patch_embeddings": ("embeddings.patch_embeddings.projection",),
+        "patch_embedding": ("embeddings",),  # adds position embeddings, as transformers' embeddings do
+        "norm": ("layernorm",),
+        "classification_head.0": ("pooler.dense",),
+        "classification_head.1": ("pooler.activation",),
+    }
+    for i in range(layers):
+        theirs = f"layers.{i}"
+        sites |= {
+            f"blocks.{i}.norm1": (f"{theirs}.layernorm_before",),
+            f"blocks.{i}.attn.qkv": tuple(f"{theirs}.attention.{name}_proj" for name in "qkv"),
+            f"blocks.{i}.attn.out_proj": (f"{theirs}.attention.o_proj",),
+            f"blocks.{i}.norm2": (f"{theirs}.layernorm_after",),
+            f"blocks.{i}.mlp.linear1": (f"{theirs}.mlp.fc1",),
+            f"blocks.{i}.mlp.fn": (f"{theirs}.mlp.activation_fn",),
+            f"blocks.{i}.mlp.linear2": (f"{theirs}.mlp.fc2",),
+        }
+    return PairCase(
+        "vit/monai", reference, candidate, cast(torch.float32), lambda m: m(pixels.to(dtype)), sites, cast,
+        unpaired=("patch_embedding",),
+    )  # fmt: skip
+
+
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
     folded norms or centred weights: the same computation as the original)."""
@@ -168,7 +294,13 @@ def transformer_lens_config(config: Any, dtype: torch.dtype = torch.float32) -> 
     )  # fmt: skip
 
 
-PAIRS: dict[str, Callable[..., PairCase]] = {"gpt2": gpt2, "llama": llama, "llava": llava_port}
+PAIRS: dict[str, Callable[..., PairCase]] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "neox": neox,
+    "vit": vit_monai,
+    "llava": llava_port,
+}
 KINDS = ("scale", "offset", "noise")
 
 

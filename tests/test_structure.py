@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paritylab.structure import MASK, fingerprint
+from paritylab.structure import MASK, fingerprint, inner_digests, restrict_to_called
 
 
 class Fused(nn.Module):
@@ -47,3 +47,23 @@ def test_a_changed_parameter_is_hashed_again():
     with torch.no_grad():
         model.q.weight.mul_(2)  # in place: the version counter moves
     assert fingerprint(model)["q"].digest != before
+
+
+def test_modules_that_never_ran_leave_their_ancestors_fingerprints():
+    """A norm kept for a configuration the forward does not use must not make two equal blocks differ; a
+    parent's descendants' fingerprints are listed, so a wrapper around a part of it can be told apart."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    padded = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.LayerNorm(4))
+    padded.load_state_dict(block.state_dict(), strict=False)
+    padded[2].weight.data.fill_(3.0)  # never called
+    plain, extra = fingerprint(block), fingerprint(padded)
+    assert plain[""].digest != extra[""].digest
+    restricted = restrict_to_called(extra, {"", "0", "1"})
+    assert (
+        restricted[""].digest == plain[""].digest and restricted[""].numel == plain[""].numel == 24
+    )  # zero biases hash to nothing
+    assert restricted["2"] == extra["2"]  # the unused module itself keeps its own print
+    inner = inner_digests(plain)
+    assert inner[""] == {plain["0"].digest, plain["1"].digest}
+    assert "0" not in inner  # a leaf has no descendants
