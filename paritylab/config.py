@@ -47,6 +47,12 @@ class Resident(enum.StrEnum):
     one = "one"
 
 
+class LogTensors(enum.StrEnum):
+    on_failure = "on_failure"
+    always = "always"
+    never = "never"
+
+
 class InputKind(enum.StrEnum):
     synthetic = "synthetic"
     processor = "processor"
@@ -154,14 +160,17 @@ class TrackingConfig:
     timeout: float = 10.0
     """Seconds an HTTP request to a tracking server may take."""
     retries: int = 1
-    log_tensors: bool = True
-    """Upload the traces' safetensors shards as artifacts (JSON, reports and plots are always uploaded)."""
+    log_tensors: LogTensors = LogTensors.on_failure
+    """Upload the traces' safetensors shards as artifacts: ``on_failure`` (a run that does not pass, or
+    regresses), ``always`` or ``never``. JSON, reports, statistics and plots are always uploaded; the shards
+    stay in the run directory either way."""
     regression_factor: float = 2.0
     """A layer regressed when its error grew by more than this factor over the baseline's ..."""
     regression_floor: float = 1e-6
     """... and exceeds this absolute relative error (changes at noise level never fire)."""
-    trend: bool = True
-    """Also log per-layer divergence to the pair's long-lived trend run (step = sweep or run number)."""
+    trend: bool = False
+    """Also log per-layer divergence to the pair's long-lived trend run (scheduled runs: the nightly preset
+    sets it). Each point is stamped with the run's start time, so MLflow's time axis reads as dates."""
 
 
 @dataclass

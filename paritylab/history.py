@@ -1,11 +1,14 @@
 """A pair's history in MLflow: its golden baseline, regressions against it, and a trend run over time.
 
-Runs of one model/candidate/inputs combination share the tags ``paritylab.pair`` and
-``paritylab.inputs`` (a digest of the model and inputs configuration). A run's baseline is the newest
-run promoted with ``python -m paritylab.promote RUN_ID`` (tag ``paritylab.baseline=golden``), else the
-previous finished run of the pair. Each layer's relative error is compared with the baseline's: it
-*regressed* when ``error > factor × baseline + floor`` (the absolute floor keeps changes at noise level
-from firing), and *improved* when ``error × factor + floor < baseline``.
+Runs of one pair share the tag ``paritylab.fingerprint``: a digest of everything that defines "the same
+comparison" (the model's and the candidate's build configuration, the inputs, the dtype, the device and the
+comparison settings), so a sweep over a build argument, a dtype override or other tolerances never compares
+against another pair's baseline. ``paritylab.pair`` (``model/candidate``) is for people. A run's baseline is
+the newest run promoted with ``python -m paritylab.promote RUN_ID`` (tag ``paritylab.baseline=golden``), else
+the previous finished, passing run of the pair. Each layer's relative error is compared with the
+baseline's: it *regressed* when ``error > factor × baseline + floor`` (the absolute floor keeps changes at
+noise level from firing), or when it is NaN/Inf where the baseline's was finite; it *improved* when
+``error × factor + floor < baseline``.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PAIR = "paritylab.pair"
-INPUTS = "paritylab.inputs"
+FINGERPRINT = "paritylab.fingerprint"
 BASELINE = "paritylab.baseline"
 TREND = "paritylab.trend"
 LAYER_PREFIX = "layer/"
 LAYER_SUFFIX = "/rel_l2"
 
 
-def inputs_digest(config: Mapping[str, Any]) -> str:
-    """A short, stable digest of the configuration that defines "the same inputs"."""
-    text = json.dumps(config, sort_keys=True, default=str)
+FINGERPRINT_KEYS = ("model", "candidate", "inputs", "dtype", "device", "compare", "seed")
+"""The resolved configuration keys that define a pair (tracking, output and resident settings do not)."""
+
+
+def pair_fingerprint(config: Mapping[str, Any]) -> str:
+    """A short, stable digest of the configuration that defines "the same comparison"."""
+    text = json.dumps({key: config.get(key) for key in FINGERPRINT_KEYS}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -50,12 +57,25 @@ class Regression:
 
 
 def layer_errors(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Layer path -> relative error, from a run's ``layer/<path>/rel_l2`` metrics."""
-    return {
-        key[len(LAYER_PREFIX) : -len(LAYER_SUFFIX)]: value
-        for key, value in metrics.items()
-        if key.startswith(LAYER_PREFIX) and key.endswith(LAYER_SUFFIX)
-    }
+    """Layer key -> relative error, from a run's ``layer/<path>/rel_l2`` metrics. Keys are taken as MLflow
+    stores them (module names with characters MLflow rejects are renamed), so a run's own metrics and a
+    baseline read back from MLflow line up whatever the module names are."""
+    from paritylab.tracking import metric_key
+
+    found: dict[str, float] = {}
+    for raw, value in metrics.items():
+        key = metric_key(raw)
+        if key.startswith(LAYER_PREFIX) and key.endswith(LAYER_SUFFIX):
+            found[key[len(LAYER_PREFIX) : -len(LAYER_SUFFIX)]] = value
+    return found
+
+
+NONFINITE = 1e300
+"""MLflow stores Inf as the largest float: anything this large, or NaN, is a non-finite error."""
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value) and abs(value) < NONFINITE
 
 
 def assess(
@@ -67,7 +87,14 @@ def assess(
     result = Regression("none")
     for layer, value in current.items():
         before = baseline.get(layer)
-        if before is None or not math.isfinite(value):
+        if before is None:
+            continue
+        if not _finite(value) or not _finite(before):
+            if not _finite(value) and _finite(before):  # NaN/Inf where the baseline was finite
+                result.ratios[layer] = math.inf
+                result.regressed.append(layer)
+            elif _finite(value):
+                result.improved.append(layer)
             continue
         result.ratios[layer] = value / before if before > 0 else (math.inf if value > 0 else 1.0)
         if value > factor * before + floor:
@@ -81,26 +108,57 @@ def assess(
     return result
 
 
-def find_baseline(client: Any, experiment_id: str, pair: str, digest: str, exclude: str | None) -> Any | None:
-    """The golden run of this pair and inputs, else its newest finished run (never ``exclude``)."""
-    scope = f"tags.`{PAIR}` = '{_quote(pair)}' and tags.`{INPUTS}` = '{digest}'"
-    for condition in (f" and tags.`{BASELINE}` = 'golden'", " and attributes.status = 'FINISHED'"):
+def find_baseline(client: Any, experiment_id: str, fingerprint: str, exclude: str | None) -> Any | None:
+    """The golden run of this pair, else its newest finished run that was judged (pass or fail) and holds
+    per-layer metrics (never ``exclude``, never a trend, killed or errored run)."""
+    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
+    for condition, judged in (
+        (f" and tags.`{BASELINE}` = 'golden'", False),
+        (" and attributes.status = 'FINISHED'", True),
+    ):
         runs = client.search_runs(
-            [experiment_id], filter_string=scope + condition, order_by=["attributes.start_time DESC"], max_results=5
+            [experiment_id], filter_string=scope + condition, order_by=["attributes.start_time DESC"], max_results=20
         )
         for run in runs:
-            if run.info.run_id != exclude and run.data.tags.get(TREND) != "true":
-                return run
+            if run.info.run_id == exclude or run.data.tags.get(TREND) == "true":
+                continue
+            if judged and (
+                run.data.tags.get("paritylab.verdict") not in ("pass", "fail") or not layer_errors(run.data.metrics)
+            ):
+                continue
+            return run
     return None
 
 
-def promote(client: Any, run_id: str) -> list[str]:
-    """Make ``run_id`` the golden baseline of its pair and inputs; returns the runs it supersedes."""
+def promotable(run: Any) -> tuple[str | None, bool]:
+    """Why ``run`` cannot be a baseline (None when it can), and whether ``--force`` may override that: a
+    trend run, a run that did not finish or one with no per-layer metrics is never a baseline; a finished
+    run whose verdict is not pass can be forced."""
+    tags = run.data.tags
+    if tags.get(TREND) == "true":
+        return "it is a trend run, not a parity run", False
+    if not tags.get(PAIR) or not tags.get(FINGERPRINT):
+        return f"it is not a paritylab parity run (no {PAIR} / {FINGERPRINT} tags)", False
+    if run.info.status != "FINISHED":
+        return f"it did not finish (status {run.info.status})", False
+    if not layer_errors(run.data.metrics):
+        return "it has no per-layer metrics to compare against", False
+    verdict = tags.get("paritylab.verdict", "none")
+    if verdict != "pass":
+        return f"its verdict is {verdict!r}, not 'pass'", True
+    return None, False
+
+
+def promote(client: Any, run_id: str, force: bool = False) -> list[str]:
+    """Make ``run_id`` the golden baseline of its pair; returns the runs it supersedes. Refuses a run that
+    cannot be a meaningful baseline (see :func:`promotable`); ``force`` overrides only a verdict."""
     run = client.get_run(run_id)
-    pair, digest = run.data.tags.get(PAIR), run.data.tags.get(INPUTS)
-    if not pair or not digest:
-        raise ValueError(f"run {run_id} is not a paritylab parity run (no {PAIR} / {INPUTS} tags)")
-    scope = f"tags.`{PAIR}` = '{_quote(pair)}' and tags.`{INPUTS}` = '{digest}' and tags.`{BASELINE}` = 'golden'"
+    refused, forceable = promotable(run)
+    if refused and not (force and forceable):
+        hint = "; pass --force to promote it anyway" if forceable else ""
+        raise ValueError(f"run {run_id} cannot be a baseline: {refused}{hint}")
+    fingerprint = run.data.tags[FINGERPRINT]
+    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}' and tags.`{BASELINE}` = 'golden'"
     previous = [r.info.run_id for r in client.search_runs([run.info.experiment_id], filter_string=scope)]
     for other in previous:
         if other != run_id:
@@ -109,13 +167,14 @@ def promote(client: Any, run_id: str) -> list[str]:
     return [other for other in previous if other != run_id]
 
 
-def trend_run(client: Any, experiment_id: str, pair: str, digest: str) -> str:
-    """The long-lived run that charts this pair's per-layer divergence over successive runs."""
-    scope = f"tags.`{TREND}` = 'true' and tags.`{PAIR}` = '{_quote(pair)}' and tags.`{INPUTS}` = '{digest}'"
+def trend_run(client: Any, experiment_id: str, fingerprint: str, name: str, tags: Mapping[str, str]) -> str:
+    """The long-lived run that charts this pair's per-layer divergence over scheduled runs (one per pair
+    fingerprint; ``name`` carries the pair, seed and inputs)."""
+    scope = f"tags.`{TREND}` = 'true' and tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
     found = client.search_runs([experiment_id], filter_string=scope, max_results=1)
     if found:
         return found[0].info.run_id
-    run = client.create_run(experiment_id, run_name=f"trend/{pair}", tags={TREND: "true", PAIR: pair, INPUTS: digest})
+    run = client.create_run(experiment_id, run_name=name, tags={**tags, TREND: "true", FINGERPRINT: fingerprint})
     client.set_terminated(run.info.run_id, "FINISHED")  # finished runs still take metrics; never "stale"
     return run.info.run_id
 

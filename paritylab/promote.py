@@ -1,6 +1,9 @@
 """Make a run the golden baseline of its model/candidate/inputs.
 
-python -m paritylab.promote RUN_ID [--tracking-uri URI]
+python -m paritylab.promote RUN_ID [--tracking-uri URI] [--force]
+
+Refuses, with the reason, a trend run, a run that did not finish, and a run whose verdict is not pass
+(``--force`` promotes a finished or failing parity run anyway).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paritylab.promote", description=__doc__.splitlines()[0])
     parser.add_argument("run_id")
     parser.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    parser.add_argument("--force", action="store_true", help="promote a run that is not a clean pass anyway")
     args = parser.parse_args(argv)
     try:
         tracker = MlflowTracker(args.tracking_uri, "paritylab")
-        superseded = tracker.call("promote the run", promote, tracker.client, args.run_id)
+        tracker.call("read the run", tracker.client.get_run, args.run_id)
+        superseded = promote(tracker.client, args.run_id, args.force)  # a refusal is a ValueError
     except (TrackingError, ValueError) as error:
         print(f"paritylab.promote: {error}", file=sys.stderr)
         return 2

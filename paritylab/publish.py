@@ -8,11 +8,13 @@ files later.
 from __future__ import annotations
 
 import json
+import socket
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paritylab.tracefile import write_json
+from paritylab.tracefile import WITHHELD_FILE, write_json
 from paritylab.tracking import Metric, Tracker
 
 RECORD_FILE = "tracking.json"
@@ -57,9 +59,27 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> None:
 
 
 def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> None:
-    """Upload every file of the run directory, keeping its layout (safetensors shards only with ``log_tensors``)."""
+    """Upload every file of the run directory, keeping its layout (safetensors shards only with ``log_tensors``;
+    without them each trace gets a note saying where they are, and loads with statistics only)."""
+    withheld: set[Path] = set()
     for path in sorted(directory.rglob("*")):
-        if not path.is_file() or (not log_tensors and path.suffix == ".safetensors"):
+        if not path.is_file():
+            continue
+        if not log_tensors and path.suffix == ".safetensors":
+            withheld.add(path.parent)
             continue
         parent = path.parent.relative_to(directory).as_posix()
         tracker.log_artifact(path, None if parent == "." else parent)
+    if not withheld:
+        return
+    with tempfile.TemporaryDirectory(prefix="paritylab-note-") as scratch:
+        note = Path(scratch) / WITHHELD_FILE
+        note.write_text(
+            "The safetensors shards of this trace were not uploaded (tracking.log_tensors); they are in\n"
+            f"{directory} on {socket.gethostname()}. Publish them with tracking.log_tensors=always and\n"
+            "python -m paritylab.upload, or compare this copy on statistics only.\n",
+            encoding="utf-8",
+        )
+        for folder in sorted(withheld):
+            parent = folder.relative_to(directory).as_posix()
+            tracker.log_artifact(note, None if parent == "." else parent)

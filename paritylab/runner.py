@@ -32,18 +32,19 @@ from paritylab.candidates import Candidate, build_candidate, instantiate, resolv
 from paritylab.comparison import Report, compare_traces
 from paritylab.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.history import (
+    FINGERPRINT,
     Regression,
     assess,
     find_baseline,
-    inputs_digest,
     layer_errors,
     next_trend_step,
+    pair_fingerprint,
     trend_run,
 )
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
 from paritylab.parity import Floors, estimate_floors, low_precision
-from paritylab.plots import LAYER, write_plots
+from paritylab.plots import LAYER, layer_rows, write_plots
 from paritylab.publish import RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
@@ -341,13 +342,14 @@ class _Session:
 
     def _start_tracking(self) -> None:
         tracking = self.cfg.tracking
+        self.start_ms = int(time.time() * 1000)
         self.record = RunRecord(
-            run_name=f"{self.cfg.model.name}/{self.cfg.candidate.name}",
+            run_name=run_name(self.cfg, _hydra_overrides()),
             experiment=str(tracking.experiment),
             uri=tracking.uri,
             tags=self._tags(),
             params={k: str(v) for k, v in flatten(OmegaConf.to_container(self.cfg, resolve=True)).items()},
-            log_tensors=bool(tracking.log_tensors),
+            log_tensors=str(tracking.log_tensors) != "never",
         )
         if not tracking.enabled:
             return
@@ -380,16 +382,25 @@ class _Session:
             "paritylab.dtype": str(self.cfg.dtype),
             "paritylab.output_dir": str(self.directory),
             "paritylab.pair": f"{self.cfg.model.name}/{self.cfg.candidate.name}",
-            "paritylab.inputs": inputs_digest({key: resolved[key] for key in ("model", "inputs", "dtype")}),
+            "paritylab.inputs": f"{self.cfg.inputs.kind} seed {self.cfg.inputs.seed}",
+            FINGERPRINT: pair_fingerprint(resolved),
             "paritylab.host": socket.gethostname(),
             "paritylab.pid": str(os.getpid()),
+            "paritylab.start_ms": str(self.start_ms),
+            "mlflow.user": _user(),
+            "mlflow.source.name": _source_name(),
+            "mlflow.source.type": "LOCAL",
         }
         if self.sweep:
             tags["paritylab.sweep_number"] = str(self.sweep.get("number", ""))
-        commit = _git_commit()
+        commit = _git_commit(Path(__file__).parent)
         if commit:
             tags["paritylab.git_commit"] = commit
-            tags["mlflow.source.git.commit"] = commit
+        code = _candidate_code(self.cfg)
+        candidate_commit = _git_commit(code) if code is not None else None
+        if candidate_commit:  # the candidate's own code, when it lives in a git repository
+            tags["mlflow.source.git.commit"] = candidate_commit
+            tags["paritylab.candidate_commit"] = candidate_commit
         return tags
 
     def _finish_tracking(self, status: str, error: str | None) -> None:
@@ -401,6 +412,7 @@ class _Session:
             record.metrics = report_metrics(self.report)
             record.table = rows_table(self.report)
             _write_key_map(self.directory, record.metrics)
+        record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, None)
         record.save(self.directory)
         if self.tracker.run_id is None:
             if self.tracking_error:
@@ -408,6 +420,9 @@ class _Session:
             return
         try:
             self._history(record)
+            regressed = bool(self.regression and self.regression.regressed)
+            record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, regressed)
+            record.save(self.directory)
             publish(self.tracker, record, self.directory)
             self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
         except TrackingError as failure:
@@ -423,25 +438,35 @@ class _Session:
         if not isinstance(tracker, MlflowTracker) or self.report is None:
             return
         tracking = self.cfg.tracking
-        pair, digest = record.tags["paritylab.pair"], record.tags["paritylab.inputs"]
+        fingerprint = record.tags[FINGERPRINT]
         experiment = tracker.ensure_experiment()
         client = tracker.client
-        baseline = tracker.call("find the baseline", find_baseline, client, experiment, pair, digest, tracker.run_id)
+        baseline = tracker.call("find the baseline", find_baseline, client, experiment, fingerprint, tracker.run_id)
         before = layer_errors(baseline.data.metrics) if baseline is not None else None
         current = layer_errors({m.key: m.value for m in record.metrics})
         regression = assess(current, before, tracking.regression_factor, tracking.regression_floor)
         if baseline is not None:
             regression.baseline_run_id = baseline.info.run_id
         record.tags.update(regression.tags())
-        record.metrics += [Metric(f"regression/{layer}/ratio", ratio) for layer, ratio in regression.ratios.items()]
+        record.metrics += [
+            Metric(f"regression/{layer}/ratio", ratio)
+            for layer, ratio in regression.ratios.items()
+            if math.isfinite(ratio)
+        ]
         if regression.regressed:
             self.echo(f"paritylab: REGRESSED against {regression.baseline_run_id}: {', '.join(regression.regressed)}")
         self.regression = regression
-        if tracking.trend:
-            trend = tracker.call("open the trend run", trend_run, client, experiment, pair, digest)
-            step = (self.sweep or {}).get("number") or tracker.call("count", next_trend_step, client, trend)
-            points = [Metric(m.key, m.value, int(step)) for m in record.metrics if _trend_metric(m.key)]
+        if tracking.trend:  # scheduled runs only: the nightly preset, or tracking.trend=true
+            name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
+            tags = {
+                k: record.tags[k]
+                for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")
+            }
+            trend = tracker.call("open the trend run", trend_run, client, experiment, fingerprint, name, tags)
+            step = tracker.call("count", next_trend_step, client, trend)
+            points = [Metric(m.key, m.value, step, self.start_ms) for m in record.metrics if _trend_metric(m.key)]
             tracker.log_metrics_to(trend, points)
+            record.tags["paritylab.trend_run"] = trend
 
     def _keep_for_upload(self) -> None:
         self.echo(
@@ -452,6 +477,67 @@ class _Session:
 
 def _trend_metric(key: str) -> bool:
     return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
+
+
+def _upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
+    """``tracking.log_tensors``: ``always``, ``never``, or ``on_failure`` (a run that did not pass, or
+    regressed; the tensors stay in the run directory either way)."""
+    if mode in ("always", "never"):
+        return mode == "always"
+    return verdict != "pass" or bool(regressed)
+
+
+def run_name(cfg: DictConfig, overrides: list[str]) -> str:
+    """``model/candidate`` plus what varies: the input seed and every other command-line override (Hydra's
+    ``override_dirname``), so runs of a sweep tell themselves apart in the runs list."""
+    skip = ("model=", "candidate=", "inputs.seed=", "tracking.", "hydra.", "output_dir=")
+    extra = [item for item in overrides if not item.lstrip("+~").startswith(skip)]
+    name = f"{cfg.model.name}/{cfg.candidate.name} seed={cfg.inputs.seed}"
+    return f"{name} {' '.join(extra)}"[:250] if extra else name
+
+
+def _hydra_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(item) for item in HydraConfig.get().overrides.task]
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return "unknown"
+
+
+def _source_name() -> str:
+    """The command as run (``python -m paritylab`` or the console script), for MLflow's source column."""
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "paritylab"
+    return "python -m paritylab" if program in ("__main__.py", "-m", "-c") else program
+
+
+def _candidate_code(cfg: DictConfig) -> Path | None:
+    """The directory of the candidate's own code (its build target's module), when it is a file on disk."""
+    import importlib.util
+
+    target = OmegaConf.select(cfg, "candidate.build._target_") or OmegaConf.select(
+        cfg, f"candidate.ports.{cfg.model.name}.build._target_"
+    )
+    if not isinstance(target, str) or "." not in target:
+        return None
+    module = target.rsplit(".", 1)[0]
+    while module:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin not in ("built-in", "frozen"):
+            return Path(spec.origin).parent
+        module = module.rsplit(".", 1)[0] if "." in module else ""
+    return None
 
 
 def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
@@ -467,16 +553,30 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
 
 
 def report_metrics(report: Report) -> list[Metric]:
-    """Per-module divergence (step = execution order), per-layer keys, and summary metrics."""
+    """Per-module divergence (step = execution order, the root left out), divergence against depth (step =
+    layer index, one series per tower, in log10 so MLflow's linear axes read well), per-layer keys (a layer
+    that produced NaN/Inf where the reference did not logs Inf), and summary metrics."""
     metrics: list[Metric] = []
     for row in report.rows:
+        if not row.path:
+            continue  # the whole model: its error is every module's, and drawn at step 0 it hides where it starts
         for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
             _add(metrics, f"divergence/{name}", row.metrics.get(name), row.index)
         _add(metrics, "divergence/local_rel_l2", row.local.get("local_rel_l2"), row.index)
         if LAYER.match(row.path):
-            _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
+            nonfinite = row.metrics.get("nan_mismatch") or row.metrics.get("inf_mismatch")
+            if nonfinite:
+                metrics.append(Metric(f"layer/{row.path}/rel_l2", math.inf, 0))
+            else:
+                _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
             _add(metrics, f"layer/{row.path}/max_abs", row.metrics.get("max_abs"), 0)
             _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
+    for tower, rows in layer_rows(report).items():
+        for number, row in rows:
+            _add(metrics, f"depth/{tower}/log10_rel_l2", _log10(row.rel_l2), number)
+            _add(metrics, f"depth/{tower}/log10_own_rel_l2", _log10(row.local.get("local_rel_l2")), number)
+            cosine = row.metrics.get("cosine")
+            _add(metrics, f"depth/{tower}/log10_1_minus_cosine", _log10(None if cosine is None else 1 - cosine), number)
     summary = report.summary()
     _add(metrics, "summary/output_rel_l2", summary["output_rel_l2"], 0)
     _add(metrics, "summary/output_max_abs", summary["output_max_abs"], 0)
@@ -488,6 +588,16 @@ def report_metrics(report: Report) -> list[Metric]:
     _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
     _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)
     return metrics
+
+
+LOG_FLOOR = -12.0
+"""log10 of an error of exactly 0 (or below 1e-12): the bottom of the depth charts."""
+
+
+def _log10(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return max(LOG_FLOOR, math.log10(value)) if value > 0 else LOG_FLOOR
 
 
 def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> None:
@@ -553,11 +663,9 @@ def _default_dir(cfg: DictConfig) -> Path:
     return Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{cfg.model.name}-{cfg.candidate.name}"
 
 
-def _git_commit() -> str | None:
+def _git_commit(directory: Path) -> str | None:
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=Path(__file__).parent
-        )
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=directory)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.strip() or None if result.returncode == 0 else None

@@ -156,7 +156,7 @@ def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, A
         counts["regressed"] = sum(1 for j in jobs if j.get("regression") == "regressed")
         tracker.log_metrics([Metric(f"sweep/{key}", value) for key, value in counts.items()])
         tracker.log_artifact(directory / "sweep_summary.md")
-        tracker.end("FINISHED" if code < 2 else "FAILED")
+        tracker.end("FINISHED" if code == 0 else "FAILED")  # any job that failed, regressed or errored
     except TrackingError as error:
         print(f"paritylab: could not log the sweep summary: {error}")
 

@@ -236,12 +236,21 @@ def _load_paritylab(path: Path) -> Trace:
         directory=path,
     )
     reader = TensorReader(path)
+    withheld = (path / WITHHELD_FILE).is_file() and not (path / WITHHELD_FILE).is_symlink()
     for file_name in {location[0] for location in trace.files.values()}:
         try:
             reader.resolve(file_name)
         except StorageError as error:
-            raise TraceFormatError(str(error)) from error
+            if not (withheld and not (path / file_name).exists()):
+                raise TraceFormatError(str(error)) from error
+            # an uploaded copy whose shards were not uploaded: statistics only, and comparisons say so
+            trace.files = {ref: loc for ref, loc in trace.files.items() if loc[0] != file_name}
     return trace
+
+
+WITHHELD_FILE = "TENSORS_NOT_UPLOADED.txt"
+"""Written beside an uploaded trace whose safetensors shards were not uploaded: the trace then loads with
+statistics only (its values are in the run directory it was uploaded from)."""
 
 
 def _location(ref: object, location: object) -> tuple[str, str]:
@@ -311,6 +320,9 @@ def _validate_tensor(node: dict[str, Any]) -> None:
     for key in ("ref", "skipped", "device"):
         if key in node and not isinstance(node[key], str):
             raise TraceFormatError(f"tensor {key} must be a string")
+    origin = node.get("from")
+    if origin is not None and (not isinstance(origin, int) or isinstance(origin, bool) or origin < 0):
+        raise TraceFormatError(f"tensor 'from' must be a call index, got {str(origin)[:40]!r}")
 
 
 def json_safe(value: Any) -> Any:

@@ -50,6 +50,8 @@ class Metric:
     key: str
     value: float
     step: int = 0
+    timestamp: int | None = None
+    """Milliseconds since the epoch; default the time it is logged (trend points carry their run's start)."""
 
 
 class Tracker:
@@ -143,7 +145,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric as MlflowMetric
 
         now = int(time.time() * 1000)
-        items = [MlflowMetric(metric_key(m.key), float(m.value), now, int(m.step)) for m in metrics]
+        items = [MlflowMetric(metric_key(m.key), float(m.value), m.timestamp or now, int(m.step)) for m in metrics]
         for start in range(0, len(items), 1000):
             self._call("log metrics", self.client.log_batch, self.run_id, metrics=items[start : start + 1000])
 
@@ -200,6 +202,19 @@ def prepare_store(uri: str) -> None:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+EXPERIMENT_DESCRIPTION = """**paritylab**: does a candidate (a port, a dtype, an attention kernel, torch.compile)
+compute what its reference computes, module by module?
+
+- Parity runs are named `model/candidate seed=N` plus what else was overridden; the columns
+  `tags.paritylab.verdict` and `tags.paritylab.first_divergence` give the verdict and the module where
+  divergence starts.
+- On a run's page, the `depth/<tower>/log10_*` charts show divergence against layer index (step = layer),
+  `divergence/*` against execution order; `comparison_table.json` lists every module.
+- Runs named `sweep/N` are sweep parents (FAILED when any job failed or regressed); `trend/...` runs hold one
+  point per scheduled night (x axis: time) of each layer's error for one pair.
+"""
+
+
 def _experiment_id(client: Any, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
@@ -207,7 +222,7 @@ def _experiment_id(client: Any, name: str) -> str:
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, tags={"mlflow.note.content": EXPERIMENT_DESCRIPTION})
     except MlflowException:  # created concurrently by another job
         found = client.get_experiment_by_name(name)
         if found is None:

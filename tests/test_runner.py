@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from paritylab import Trace
 from paritylab.cli import compose, preflight
+from paritylab.comparison import compare_traces
 from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import parity_runs
 
@@ -45,7 +47,7 @@ def test_default_run_end_to_end(tmp_path):
     assert "PASS" in result.stdout and "mlflow ui --backend-store-uri sqlite:///" in result.stdout
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run_info,) = parity_runs(client)
-    assert run_info.info.status == "FINISHED" and run_info.info.run_name == "llava/port"
+    assert run_info.info.status == "FINISHED" and run_info.info.run_name == "llava/port seed=0"
     tags = run_info.data.tags
     assert tags["paritylab.verdict"] == "pass" and tags["paritylab.first_divergence"] == "none"
     assert tags["paritylab.model"] == "llava" and tags["paritylab.candidate"] == "port"
@@ -58,21 +60,42 @@ def test_default_run_end_to_end(tmp_path):
     history = client.get_metric_history(run_info.info.run_id, "divergence/rel_l2")
     report = json.loads((tmp_path / "hydra" / "report" / "report.json").read_text())
     compared = {row["index"]: row["metrics"]["rel_l2"] for row in report["rows"] if "rel_l2" in row["metrics"]}
-    assert {m.step: m.value for m in history} == pytest.approx(compared)
+    assert 0 not in {m.step for m in history}  # the root (the whole model) is left out of the per-call charts
+    assert {m.step: m.value for m in history} == pytest.approx({k: v for k, v in compared.items() if k != 0})
     layer = client.get_metric_history(run_info.info.run_id, "layer/model.language_model.layers.1/rel_l2")
     assert len(layer) == 1 and layer[0].value < 1e-6
+    depth = client.get_metric_history(run_info.info.run_id, "depth/model.language_model.layers/log10_rel_l2")
+    by_layer = {
+        int(row["path"].rsplit(".", 1)[1]): row["metrics"]["rel_l2"]
+        for row in report["rows"]
+        if row["path"].startswith("model.language_model.layers.") and row["path"].count(".") == 3
+    }
+    assert sorted(m.step for m in depth) == sorted(by_layer)  # step = layer index
+    for point in depth:
+        expected = by_layer[point.step]
+        assert point.value == pytest.approx(max(-12.0, math.log10(expected)) if expected > 0 else -12.0, abs=1e-6)
+    vision = client.get_metric_history(run_info.info.run_id, "depth/model.vision_tower.encoder.layers/log10_rel_l2")
+    vision_layers = [
+        r
+        for r in report["rows"]
+        if r["path"].startswith("model.vision_tower.encoder.layers.") and "rel_l2" in r["metrics"]
+    ]  # the port never runs the last vision layer (LLaVA reads the one before): nothing to chart there
+    assert sorted(m.step for m in vision) == sorted({int(r["path"].split(".")[4]) for r in vision_layers})
 
     artifacts = Path(client.download_artifacts(run_info.info.run_id, "", str(tmp_path / "downloaded")))
     for name in ("report/report.html", "report/alignment.yaml", "report/divergence_by_depth.svg", ".hydra/config.yaml"):
         assert (artifacts / name).is_file(), name
     assert (artifacts / "comparison_table.json").is_file()
+    table = json.loads((artifacts / "comparison_table.json").read_text())
+    assert "model.language_model.layers.1.self_attn.o_proj" in [row[1] for row in table["data"]]
+    # a passing run uploads statistics and reports, not tensors (tracking.log_tensors=on_failure); they stay local
+    assert not list(artifacts.rglob("*.safetensors")) and list((tmp_path / "hydra" / "candidate").glob("*.safetensors"))
     downloaded = Trace.load(artifacts / "reference")
-    local = Trace.load(tmp_path / "hydra" / "reference")
     node = downloaded.call("lm_head#0").outputs
-    torch.testing.assert_close(downloaded.tensor(node), local.tensor(local.call("lm_head#0").outputs), rtol=0, atol=0)
-    assert node["stats"]["mean"] == pytest.approx(downloaded.tensor(node).mean().item(), abs=1e-6)
-    shard = load_file(artifacts / "candidate" / "tensors-00000.safetensors")
-    assert len(shard) == len(Trace.load(artifacts / "candidate").files)
+    local = Trace.load(tmp_path / "hydra" / "reference")
+    assert node["stats"]["mean"] == pytest.approx(local.tensor(local.call("lm_head#0").outputs).mean().item(), abs=1e-6)
+    again = compare_traces(downloaded, Trace.load(artifacts / "candidate"))
+    assert again.verdict == "inconclusive"  # the uploaded copy holds statistics only: never a plain PASS
 
 
 def test_port_matches_reference_logits_in_fp32():
@@ -96,9 +119,19 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
     run_data = client.get_run(strict.run_id)
     assert run_data.info.status == "FINISHED" and run_data.data.tags["paritylab.verdict"] == "fail"
     assert run_data.data.tags["paritylab.first_divergence"] != "none"
+    # a failing run uploads its tensors (tracking.log_tensors=on_failure), bit-exact
+    artifacts = Path(client.download_artifacts(strict.run_id, "", str(tmp_path / "downloaded")))
+    downloaded, local = Trace.load(artifacts / "candidate"), Trace.load(strict.directory / "candidate")
+    key = downloaded.calls[-1].key
+    torch.testing.assert_close(
+        downloaded.tensor(downloaded.call(key).outputs), local.tensor(local.call(key).outputs), rtol=0, atol=0
+    )
+    shard = load_file(artifacts / "candidate" / "tensors-00000.safetensors")
+    assert len(shard) == len(downloaded.files)
     loose, _ = run_with(tmp_path, "candidate=bf16", "compare.replay=false")
     assert loose.exit_code == EXIT_PASS
     assert loose.report.rows[0].floor is not None  # auto noise floor for a bf16 candidate
+    assert not [a for a in client.list_artifacts(loose.run_id, "candidate") if a.path.endswith(".safetensors")]
 
 
 def test_planted_port_bug_is_localised_through_the_app(tmp_path):

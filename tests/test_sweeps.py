@@ -37,20 +37,39 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     runs = runs_of(client, "nested")
     (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.info.run_name for r in children) == ["llama/bf16", "llama/eager", "llama/sdpa"]
+    names = [f"llama/{c} seed=0 compare.replay=False" for c in ("bf16", "eager", "sdpa")]
+    assert sorted(r.info.run_name for r in children) == names  # what varies, and every other override
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
     assert parent.info.status == "FINISHED" and "| 0-llama-bf16 | pass |" in parent.data.tags["mlflow.note.content"]
     assert parent.data.metrics["sweep/jobs"] == 3 and parent.data.metrics["sweep/failed"] == 0
     assert "sweep_summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    trends = [r for r in runs if r.data.tags.get("paritylab.trend") == "true"]
-    assert len(trends) == 3
-    history = client.get_metric_history(trends[0].info.run_id, "summary/failing_modules")
-    assert [m.step for m in history] == [int(parent.data.tags["paritylab.sweep_number"])]
+    assert not [r for r in runs if r.data.tags.get("paritylab.trend") == "true"]  # an ad-hoc sweep is no night
+    tags = children[0].data.tags  # MLflow's own columns: user, source, type
+    assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL" and "paritylab" in tags["mlflow.source.name"]
+    assert (
+        len(tags["paritylab.fingerprint"]) == 12 and len({r.data.tags["paritylab.fingerprint"] for r in children}) == 3
+    )
+    links = [json.loads(path.read_text())["link"] for path in (tmp_path / "sweep").glob("*/run.json")]
+    assert len(links) == 3 and all(link.startswith(mlflow_server) and "/runs/" in link for link in links)  # real URLs
+
+
+PORT = """
+from tests.faulty import scaled_port
+
+
+def build(reference):
+    return scaled_port(reference, module="llm.layers.1.feed_forward.w2", scale={scale})
+"""
 
 
 def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, mlflow_server):
+    """Nights of one pair: the candidate's code changes between them (the configuration does not), so the
+    pair keeps its fingerprint and the newest night is judged against the promoted baseline."""
     experiment = "gate"
-    base = sweep(tmp_path, mlflow_server, experiment, "candidate=port")
+    code = tmp_path / "nightly_port.py"
+    code.write_text(PORT.format(scale="1.0"))
+    pair = ["candidate=port", "candidate.ports.llava.build._target_=nightly_port.build", "tracking.trend=true"]
+    base = sweep(tmp_path, mlflow_server, experiment, *pair)
     assert base.returncode == 0, base.stdout[-3000:]
     client = MlflowClient(mlflow_server)
     (golden,) = parity_runs_named(client, experiment)
@@ -61,16 +80,12 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     assert promoted.returncode == 0, promoted.stderr
     assert client.get_run(golden.info.run_id).data.tags["paritylab.baseline"] == "golden"
 
-    same = sweep(tmp_path, mlflow_server, experiment, "candidate=port")
+    same = sweep(tmp_path, mlflow_server, experiment, *pair)
     assert same.returncode == 0, same.stdout[-3000:]
     assert "| none |" in same.stdout
 
-    worse = sweep(
-        tmp_path, mlflow_server, experiment, "candidate=port",
-        "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
-        "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
-        "+candidate.ports.llava.build.scale=1.0001",
-    )  # fmt: skip
+    code.write_text(PORT.format(scale="1.0001"))  # tonight's commit scales one projection by 1e-4
+    worse = sweep(tmp_path, mlflow_server, experiment, *pair)
     assert worse.returncode == 1, worse.stdout[-3000:]
     assert "regressed" in worse.stdout and "model.language_model.layers.1" in worse.stdout
     newest = max(parity_runs_named(client, experiment), key=lambda r: r.info.start_time)
@@ -79,6 +94,24 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     assert tags["paritylab.regression"] == "regressed" and tags["paritylab.baseline_run"] == golden.info.run_id
     assert "model.language_model.layers.1" in tags["paritylab.regressed_layers"]
     assert newest.data.metrics["regression/model.language_model.layers.1/ratio"] > 2
+    assert any(a.path.endswith(".safetensors") for a in _artifacts(client, newest.info.run_id))  # regressed: kept
+    assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
+    parent = client.get_run(newest.data.tags["mlflow.parentRunId"])
+    assert parent.info.status == "FAILED"  # a night with a regression is a failed sweep
+    (trend,) = [r for r in runs_of(client, experiment) if r.data.tags.get("paritylab.trend") == "true"]
+    assert trend.info.run_name == "trend/llava/port/synthetic-seed-0"
+    history = client.get_metric_history(trend.info.run_id, "layer/model.language_model.layers.1/rel_l2")
+    starts = sorted(r.info.start_time for r in parity_runs_named(client, experiment))
+    assert [m.step for m in history] == [1, 2, 3]
+    assert [m.timestamp for m in history] == pytest.approx(starts, abs=5000)  # stamped with each night's start
+    assert history[2].value > 2 * history[1].value
+
+
+def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> list:
+    found = []
+    for item in client.list_artifacts(run_id, path):
+        found += _artifacts(client, run_id, item.path) if item.is_dir else [item]
+    return found
 
 
 def parity_runs_named(client: MlflowClient, experiment: str) -> list:

@@ -1,0 +1,104 @@
+"""A pair's history in a real MLflow store: baselines keyed by the whole pair, promote's refusals, and
+regressions that mean something (NaN, renamed keys)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+from mlflow.entities import Metric, RunTag
+from mlflow.tracking import MlflowClient
+
+from paritylab.history import FINGERPRINT, assess, find_baseline, layer_errors, pair_fingerprint, promote
+from paritylab.tracking import metric_key
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'history.db'}"
+    client = MlflowClient(uri)
+    return uri, client, client.create_experiment("history")
+
+
+def parity_run(client, experiment, fingerprint, verdict="pass", status="FINISHED", errors=None, trend=False):
+    tags = {"paritylab.pair": "llava/port", FINGERPRINT: fingerprint, "paritylab.verdict": verdict}
+    if trend:
+        tags["paritylab.trend"] = "true"
+    run = client.create_run(experiment, tags=tags)
+    metrics = [Metric(metric_key(f"layer/{k}/rel_l2"), v, 0, 0) for k, v in (errors or {"m.layers.0": 1e-7}).items()]
+    client.log_batch(run.info.run_id, metrics=metrics, tags=[RunTag("x", "y")])
+    if status != "RUNNING":
+        client.set_terminated(run.info.run_id, status)
+    return run.info.run_id
+
+
+def test_the_fingerprint_covers_the_whole_pair_and_nothing_else():
+    base = {"model": {"name": "llava"}, "candidate": {"name": "port", "build": {"scale": 1}}, "inputs": {"seed": 0},
+            "dtype": "float32", "device": "cpu", "compare": {"rtol": None}, "seed": 0}  # fmt: skip
+    same = pair_fingerprint({**base, "tracking": {"uri": "elsewhere"}, "resident": "one"})
+    assert same == pair_fingerprint(base)
+    for key, value in (("candidate", {"name": "port", "build": {"scale": 2}}), ("dtype", "bfloat16"),
+                       ("compare", {"rtol": 1e-2}), ("inputs", {"seed": 1}), ("model", {"name": "llama"})):  # fmt: skip
+        assert pair_fingerprint({**base, key: value}) != pair_fingerprint(base), key
+
+
+def test_baselines_never_cross_pairs_and_skip_killed_or_errored_runs(store):
+    _, client, experiment = store
+    fp32 = parity_run(client, experiment, "aaa")
+    parity_run(client, experiment, "bbb")  # another pair (a bf16 override): never fp32's baseline
+    parity_run(client, experiment, "aaa", status="KILLED")
+    parity_run(client, experiment, "aaa", verdict="error", status="FAILED")
+    parity_run(client, experiment, "aaa", trend=True)
+    assert find_baseline(client, experiment, "aaa", exclude=None).info.run_id == fp32
+    assert find_baseline(client, experiment, "ccc", exclude=None) is None
+
+
+def test_promote_refuses_what_cannot_be_a_baseline_unless_forced(store):
+    uri, client, experiment = store
+    refusals = {
+        parity_run(client, experiment, "aaa", trend=True): "trend run",
+        parity_run(client, experiment, "aaa", status="KILLED"): "did not finish (status KILLED)",
+        parity_run(client, experiment, "aaa", verdict="fail"): "verdict is 'fail'",
+        parity_run(client, experiment, "aaa", status="RUNNING"): "did not finish (status RUNNING)",
+    }
+    for run_id, reason in refusals.items():
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            promote(client, run_id)
+        if "verdict" not in reason:
+            with pytest.raises(ValueError, match=re.escape(reason)):
+                promote(client, run_id, force=True)  # only a verdict can be forced
+    failing = next(r for r, why in refusals.items() if "fail" in why)
+    assert promote(client, failing, force=True) == []
+    good = parity_run(client, experiment, "aaa")
+    assert promote(client, good) == [failing]
+    assert client.get_run(failing).data.tags["paritylab.baseline"] == "superseded"
+    killed = next(r for r, why in refusals.items() if "KILLED" in why)
+    result = subprocess.run(
+        [sys.executable, "-m", "paritylab.promote", killed, "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "cannot be a baseline: it did not finish (status KILLED)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_nan_where_the_baseline_was_finite_is_a_regression():
+    result = assess({"a": math.nan, "b": math.inf, "c": 1e-7}, {"a": 1e-7, "b": 1e-7, "c": 1e-7}, 2.0, 1e-6)
+    assert result.verdict == "regressed" and result.regressed == ["a", "b"] and result.improved == []
+    stored_inf = 1.7976931348623157e308  # what MLflow stores for Inf
+    recovered = assess({"a": 1e-7}, {"a": stored_inf}, 2.0, 1e-6)
+    assert recovered.verdict == "improved"
+
+
+def test_renamed_keys_are_assessed_like_any_other(store):
+    """Module names MLflow rejects are renamed in its keys; the run's own metrics and the baseline read back
+    from MLflow must still line up, or 50x regressions go unflagged."""
+    _, client, experiment = store
+    odd = "model.blocks[0]<attn>"  # characters MLflow rejects
+    baseline = parity_run(client, experiment, "aaa", errors={odd: 1e-4, "plain.0": 1e-4})
+    before = layer_errors(client.get_run(baseline).data.metrics)
+    current = layer_errors({f"layer/{odd}/rel_l2": 5e-3, "layer/plain.0/rel_l2": 1e-4})
+    result = assess(current, before, 2.0, 1e-6)
+    assert result.regressed == [metric_key(odd)] and result.ratios[metric_key(odd)] == pytest.approx(50)
