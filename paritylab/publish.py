@@ -18,6 +18,10 @@ from paritylab.tracefile import WITHHELD_FILE, write_json
 from paritylab.tracking import Metric, Tracker
 
 RECORD_FILE = "tracking.json"
+RUN_UID = "paritylab.run_uid"
+"""A run directory's identity in MLflow: an upload finds the run a live run already made (and finishes it)."""
+PUBLISHED = "paritylab.published"
+"""Set once every metric, tag and file of the run is in MLflow: uploading again then does nothing."""
 
 
 @dataclass
@@ -55,6 +59,7 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> None:
         tracker.log_table(record.table, "comparison_table.json")
     tracker.set_tags(record.tags)
     log_directory(tracker, directory, record.log_tensors)
+    tracker.set_tags({PUBLISHED: "true"})
     tracker.end(record.status)
 
 

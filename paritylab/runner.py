@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
 from paritylab.parity import Floors, estimate_floors, low_precision
 from paritylab.plots import LAYER, layer_rows, write_plots
-from paritylab.publish import RunRecord, publish
+from paritylab.publish import RUN_UID, RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.sweep import sweep_state
@@ -387,6 +388,7 @@ class _Session:
             "paritylab.host": socket.gethostname(),
             "paritylab.pid": str(os.getpid()),
             "paritylab.start_ms": str(self.start_ms),
+            RUN_UID: uuid.uuid4().hex,
             "mlflow.user": _user(),
             "mlflow.source.name": _source_name(),
             "mlflow.source.type": "LOCAL",

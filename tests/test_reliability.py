@@ -124,6 +124,12 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert run.data.tags["paritylab.uploaded_from"] == str(directory)
     assert run.data.metrics["summary/failing_modules"] == 0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
+    again = subprocess.run(
+        [sys.executable, "-m", "paritylab.upload", str(directory), "--tracking-uri", store],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0 and "already published" in again.stdout
+    assert [r.info.run_id for r in parity_runs(client)] == [run.info.run_id]  # idempotent: still one run
 
 
 def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
@@ -138,6 +144,14 @@ def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
     assert client.get_run(result.run_id).info.status == "FAILED"  # not left RUNNING
     record = json.loads((result.directory / "tracking.json").read_text())
     assert record["tags"]["paritylab.verdict"] == "pass" and len(record["metrics"]) > 20
+    monkeypatch.undo()
+    from paritylab.upload import upload
+
+    run_id, already = upload(result.directory)  # the store works again: the orphan is finished, not duplicated
+    assert run_id == result.run_id and not already
+    finished = client.get_run(run_id)
+    assert finished.info.status == "FINISHED" and finished.data.metrics["summary/failing_modules"] == 0
+    assert len(parity_runs(client)) == 1 and upload(result.directory) == (run_id, True)
 
 
 # -- disk budget -------------------------------------------------------------------------------------------
