@@ -49,7 +49,7 @@ from paritylab.plots import LAYER, layer_rows, write_plots
 from paritylab.publish import RUN_UID, RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
-from paritylab.sweep import sweep_state
+from paritylab.sweep import close_stale_runs, process_start, sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
@@ -359,6 +359,10 @@ class _Session:
             tracker.start(self.record.run_name, self.record.tags, (self.sweep or {}).get("parent_run_id"))
             tracker.log_params(self.record.params)
             self.tracker = tracker
+            if not self.sweep:  # a sweep closes them once, before its jobs start
+                stale = tracker.call("close stale runs", close_stale_runs, tracker.client, tracker.ensure_experiment())
+                if stale:
+                    self.echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
         except TrackingError as error:
             self.tracking_error = str(error)
             self.echo(f"paritylab: {error}; continuing without tracking")
@@ -387,6 +391,7 @@ class _Session:
             FINGERPRINT: pair_fingerprint(resolved),
             "paritylab.host": socket.gethostname(),
             "paritylab.pid": str(os.getpid()),
+            "paritylab.process_start": process_start(os.getpid()) or "unknown",
             "paritylab.start_ms": str(self.start_ms),
             RUN_UID: uuid.uuid4().hex,
             "mlflow.user": _user(),

@@ -166,7 +166,9 @@ def _experiment_of(state: dict[str, Any]) -> str:
 
 
 def close_stale_runs(client: Any, experiment_id: str) -> list[str]:
-    """Mark KILLED the runs left RUNNING by processes that are gone (same host: dead pid; else old)."""
+    """Mark KILLED the runs left RUNNING by processes that are gone. A run is identified by host, pid and
+    the process's start time: on this host, a dead pid, or a pid now held by another process (started at
+    another time) is gone; on another host, only age can tell."""
     host = socket.gethostname()
     killed = []
     for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
@@ -176,10 +178,23 @@ def close_stale_runs(client: Any, experiment_id: str) -> list[str]:
         same_host = tags.get("paritylab.host") == host
         pid = int(tags.get("paritylab.pid", "0") or 0)
         age = time.time() - run.info.start_time / 1000
-        if (same_host and pid and not _alive(pid)) or (not same_host and age > STALE_AFTER):
+        if (same_host and pid and not _same_process(pid, tags.get("paritylab.process_start"))) or (
+            not same_host and age > STALE_AFTER
+        ):
             client.set_terminated(run.info.run_id, "KILLED")
             killed.append(run.info.run_id)
     return killed
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as a token that differs between two processes that held the same pid
+    (Linux: field 22 of ``/proc/PID/stat``, clock ticks since boot); None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return fields[19] if len(fields) > 19 else None
 
 
 def _alive(pid: int) -> bool:
@@ -190,6 +205,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _same_process(pid: int, started: str | None) -> bool:
+    if not _alive(pid):
+        return False
+    now = process_start(pid)
+    return started is None or now is None or now == started
 
 
 def _next_sweep_number(client: Any, experiment_id: str) -> int:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,7 @@ def test_regression_rule_is_a_factor_plus_a_floor():
 def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     import socket
 
-    from paritylab.sweep import close_stale_runs
+    from paritylab.sweep import close_stale_runs, process_start
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'stale.db'}")
     experiment = client.create_experiment("stale")
@@ -160,9 +161,44 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     dead.wait()
     host = socket.gethostname()
     orphan = client.create_run(experiment, tags={"paritylab.host": host, "paritylab.pid": str(dead.pid)})
-    alive = client.create_run(experiment, tags={"paritylab.host": host, "paritylab.pid": str(os.getpid())})
+    me = {"paritylab.host": host, "paritylab.pid": str(os.getpid())}
+    alive = client.create_run(experiment, tags={**me, "paritylab.process_start": process_start(os.getpid())})
+    # the pid of a dead run now held by another process (this one, started at another time): gone too
+    reused = client.create_run(experiment, tags={**me, "paritylab.process_start": "12"})
     trend = client.create_run(experiment, tags={"paritylab.trend": "true"})
-    assert close_stale_runs(client, experiment) == [orphan.info.run_id]
+    assert sorted(close_stale_runs(client, experiment)) == sorted([orphan.info.run_id, reused.info.run_id])
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
+    assert client.get_run(reused.info.run_id).info.status == "KILLED"
     assert client.get_run(alive.info.run_id).info.status == "RUNNING"
     assert client.get_run(trend.info.run_id).info.status == "RUNNING"
+
+
+def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
+    """kill -9 leaves a run RUNNING; the next run of any kind (not only a sweep) closes it."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "paritylab", "model=llama", "candidate=sdpa", f"tracking.uri={store}",
+         f"hydra.run.dir={tmp_path / 'victim'}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    client = MlflowClient(store)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "mlflow.db").exists():
+        time.sleep(0.2)
+    running: list = []
+    while time.monotonic() < deadline and not running:
+        time.sleep(0.2)
+        experiment = client.get_experiment_by_name("paritylab")
+        if experiment is not None:
+            running = client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'")
+    assert running, "the victim never started its run"
+    victim.kill()
+    victim.wait()
+    after = subprocess.run(
+        [sys.executable, "-m", "paritylab", "model=llama", "candidate=sdpa", "compare.replay=false",
+         f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'next'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert after.returncode == 0, after.stdout[-2000:]
+    assert "marked KILLED 1 runs left RUNNING" in after.stdout
+    assert client.get_run(running[0].info.run_id).info.status == "KILLED"
