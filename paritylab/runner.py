@@ -138,6 +138,14 @@ class _Session:
         shutil.rmtree(self.directory / RESIDENT_DIR, ignore_errors=True)  # mapped weights stay valid until unmapped
         try:
             self._finish_tracking(status, error)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while publishing: the results are on disk; say so, exit 130
+            with _signals_ignored():
+                self.tracking_error = "interrupted while publishing to MLflow"
+                self.echo(f"paritylab: {self.tracking_error}; the run is marked KILLED")
+                with suppress(Exception):
+                    self.tracker.end("KILLED")
+                self._keep_for_upload()
+                status, code, error = "KILLED", EXIT_INTERRUPTED, error or "interrupted while publishing"
         except Exception as failure:  # idem: the results are on disk whatever happens here
             self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
             self.echo(f"paritylab: {self.tracking_error}")
@@ -145,7 +153,8 @@ class _Session:
             code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
         if code == EXIT_PASS and self.regression is not None and self.regression.regressed:
             code = EXIT_FAIL
-        self._write_run_summary(status, code, error)
+        with _signals_ignored():  # a second signal must not lose the summary
+            self._write_run_summary(status, code, error)
         return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
 
     def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
@@ -693,6 +702,20 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the duration (closing a run and writing its summary after a signal)."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _main_thread() -> bool:

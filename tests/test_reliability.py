@@ -154,6 +154,33 @@ def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
     assert len(parity_runs(client)) == 1 and upload(result.directory) == (run_id, True)
 
 
+def test_a_signal_while_publishing_keeps_the_run_and_closes_it_killed(tmp_path, monkeypatch):
+    """SIGTERM or Ctrl-C after the verdict, while the run is being published (for real models, gigabytes):
+    no traceback, exit 130, the MLflow run KILLED (never RUNNING), run.json and tracking.json kept; the upload
+    later finishes that same run."""
+    import paritylab.runner as runner_module
+    from paritylab.publish import publish as real_publish
+
+    def interrupted(tracker, record, directory):
+        tracker.log_metrics(record.metrics[:5])  # part of it got through
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_module, "publish", interrupted)
+    result, client = run_with(tmp_path, "compare.replay=false")
+    assert result.exit_code == 130 and "interrupted while publishing" in result.tracking_error
+    assert client.get_run(result.run_id).info.status == "KILLED"
+    summary = json.loads((result.directory / "run.json").read_text())
+    assert summary["exit_code"] == 130 and summary["verdict"] == "error"
+    record = json.loads((result.directory / "tracking.json").read_text())
+    assert record["tags"]["paritylab.verdict"] == "pass" and record["status"] == "FINISHED"
+    monkeypatch.setattr(runner_module, "publish", real_publish)
+    from paritylab.upload import upload
+
+    assert upload(result.directory) == (result.run_id, False)
+    finished = client.get_run(result.run_id)
+    assert finished.info.status == "FINISHED" and finished.data.tags["paritylab.verdict"] == "pass"
+
+
 # -- disk budget -------------------------------------------------------------------------------------------
 
 
