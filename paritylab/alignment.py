@@ -230,9 +230,9 @@ class Alignment:
         import yaml
 
         paired = {_path(pair.reference) for pair in self.pairs}
-        unpaired = [path for path in _unique_paths(self.unmatched_reference) if path not in paired]
+        left = _unique_paths([*self.unmatched_reference, *self.ignored_reference])
+        unpaired = [path for path in left if path not in paired]  # left unmatched, or by a rule: before any pattern
         rules = [Rule(path, None) for path in unpaired] + _generalise(self.pairs)
-        rules += [Rule(_path(key), None) for key in _unique_paths(self.ignored_reference)]
         return yaml.safe_dump({"rules": [rule.to_yaml() for rule in rules]}, sort_keys=False, width=200)
 
 

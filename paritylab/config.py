@@ -139,9 +139,10 @@ class CompareConfig:
     paths; values are checked when the run starts, with a one-line error)."""
     rules: str | None = None
     """Extra alignment rules YAML, applied before the candidate's own."""
-    alignment: str | None = None
-    """A frozen alignment (``report/alignment.yaml`` of an earlier run): the only pairs used, so nightly runs
-    never re-pair modules; a pinned pair whose candidate call is gone fails its row."""
+    alignment: str | None = "baseline"
+    """The alignment to pin (the only pairs used, so nightly runs never re-pair modules; a pinned pair whose
+    candidate call is gone fails its row): ``baseline`` (the pair's baseline run's, when it has one),
+    ``fresh`` (align anew), or a file (``report/alignment.yaml`` of an earlier run)."""
     replay: bool = True
     noise_floor: NoiseFloor = NoiseFloor.auto
     noise_multiple: float = 4.0

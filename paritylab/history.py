@@ -34,7 +34,11 @@ FINGERPRINT_KEYS = ("model", "candidate", "inputs", "dtype", "device", "compare"
 
 def pair_fingerprint(config: Mapping[str, Any]) -> str:
     """A short, stable digest of the configuration that defines "the same comparison"."""
-    text = json.dumps({key: config.get(key) for key in FINGERPRINT_KEYS}, sort_keys=True, default=str)
+    chosen = {key: config.get(key) for key in FINGERPRINT_KEYS}
+    compare = chosen.get("compare")
+    if isinstance(compare, Mapping):  # which alignment is pinned does not change the pair
+        chosen["compare"] = {k: v for k, v in compare.items() if k != "alignment"}
+    text = json.dumps(chosen, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

@@ -66,6 +66,22 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
     return written
 
 
+def trend_heatmap(histories: dict[str, list[tuple[int, float]]], title: str) -> str:
+    """Layer × night: ``histories`` maps a layer to its ``(timestamp ms, relative error)`` points; columns
+    are the nights (dates, oldest first), cells log10 of the error (a night without a point is left at the
+    bottom of the scale)."""
+    import datetime
+
+    stamps = sorted({stamp for points in histories.values() for stamp, _ in points})
+    columns = [datetime.datetime.fromtimestamp(stamp / 1000, datetime.UTC).strftime("%m-%d %H:%M") for stamp in stamps]
+    labels = sorted(histories)
+    matrix = []
+    for label in labels:
+        by_stamp = dict(histories[label])
+        matrix.append([math.log10(_positive(by_stamp.get(stamp))) for stamp in stamps])
+    return heatmap(labels, columns, matrix, title)
+
+
 def line_chart(series: Sequence[Series], title: str, x_label: str) -> str:
     """A log-scale line chart with a legend; y values must be positive."""
     width, height, left, right, top, bottom = 760, 420, 70, 20, 40, 50 + 16 * len(series)

@@ -45,14 +45,14 @@ from paritylab.history import (
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
 from paritylab.parity import Floors, estimate_floors, low_precision
-from paritylab.plots import LAYER, layer_rows, write_plots
+from paritylab.plots import LAYER, layer_rows, trend_heatmap, write_plots
 from paritylab.publish import RUN_UID, RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.sweep import close_stale_runs, process_start, sweep_state
 from paritylab.tracefile import Trace, write_json
 from paritylab.tracing import TraceOptions, Tracer
-from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten
+from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten, metric_key
 from paritylab.workload import infer_call
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -203,9 +203,10 @@ class _Session:
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
-        pinned = bool(cfg.compare.alignment)
-        if pinned:
-            rules = load_rules(resolve_path(str(cfg.compare.alignment)))
+        frozen = self._frozen_alignment()
+        pinned = frozen is not None
+        if frozen is not None:
+            rules = load_rules(frozen)
         report = compare_traces(
             ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors.free_run if floors else None,
             noise_multiple=float(cfg.compare.noise_multiple), pinned=pinned,
@@ -217,6 +218,40 @@ class _Session:
         self._write_report()
         self.echo(to_console(report))
         return EXIT_CODES[report.verdict]
+
+    def _frozen_alignment(self) -> Path | None:
+        """The alignment to pin: ``compare.alignment=<file>``; by default (``baseline``) the alignment of the
+        pair's baseline run in MLflow, so runs of one pair never re-pair modules (a module paired then and
+        missing now fails its row); ``fresh`` aligns anew."""
+        choice = str(self.cfg.compare.alignment or "baseline")
+        if choice not in ("baseline", "fresh"):
+            return Path(resolve_path(choice))
+        tracker = self.tracker
+        if choice == "fresh" or not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
+            return None
+        fingerprint = self.record.tags[FINGERPRINT]
+        try:
+            experiment = tracker.ensure_experiment()
+            baseline = tracker.call(
+                "find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id
+            )
+            if baseline is None:
+                return None
+            target = self.directory / "baseline"
+            target.mkdir(exist_ok=True)
+            path = tracker.call(
+                "download the baseline's alignment",
+                tracker.client.download_artifacts,
+                baseline.info.run_id,
+                "report/alignment.yaml",
+                str(target),
+            )
+        except TrackingError as failure:
+            self.notes.append(f"alignment: aligned anew (the baseline's could not be read: {failure})")
+            return None
+        self.notes.append(f"alignment: pinned to that of baseline run {baseline.info.run_id}")
+        self.record.tags["paritylab.alignment_from"] = baseline.info.run_id
+        return Path(path)
 
     def _build_reference(self) -> nn.Module:
         self.echo("paritylab: building the reference")
@@ -483,6 +518,20 @@ class _Session:
             points = [Metric(m.key, m.value, step, self.start_ms) for m in record.metrics if _trend_metric(m.key)]
             tracker.log_metrics_to(trend, points)
             record.tags["paritylab.trend_run"] = trend
+            self._trend_heatmap(tracker, trend, [m.key for m in points if m.key.startswith("layer/")])
+
+    def _trend_heatmap(self, tracker: MlflowTracker, trend: str, keys: list[str]) -> None:
+        """``trend_heatmap.svg`` on the trend run (refreshed every night): each layer's error across nights."""
+        histories = {}
+        for key in keys:
+            points = tracker.call("read the trend", tracker.client.get_metric_history, trend, metric_key(key))
+            histories[key.removeprefix("layer/").removesuffix("/rel_l2")] = [(p.timestamp, p.value) for p in points]
+        if not histories:
+            return
+        path = self.directory / "report" / "trend_heatmap.svg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {self.record.run_name}"))
+        tracker.call("upload the trend heatmap", tracker.client.log_artifact, trend, str(path))
 
     def _keep_for_upload(self) -> None:
         self.echo(

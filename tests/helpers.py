@@ -58,3 +58,27 @@ def parity_runs(client) -> list:
     experiment = client.get_experiment_by_name("paritylab")
     runs = client.search_runs([experiment.experiment_id], max_results=1000)
     return [r for r in runs if "paritylab.pair" in r.data.tags and r.data.tags.get("paritylab.trend") != "true"]
+
+
+_TEMPLATE: list[Path] = []
+
+
+def migrated_store(path: Path) -> str:
+    """The URI of a real SQLite MLflow store at ``path``, created by copying one this process migrated once
+    (creating and migrating a store costs about 2.5 s; the copy is the same database). For tests that use a
+    store, not for those about creating one (fresh stores, concurrent creation, "no store was created")."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    if not _TEMPLATE:
+        folder = Path(tempfile.mkdtemp(prefix="paritylab-mlflow-template-"))
+        atexit.register(shutil.rmtree, folder, True)
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments(max_results=1)
+        _TEMPLATE.append(folder / "mlflow.db")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        shutil.copyfile(_TEMPLATE[0], path)
+    return f"sqlite:///{path}"

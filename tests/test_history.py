@@ -14,11 +14,12 @@ from mlflow.tracking import MlflowClient
 
 from paritylab.history import FINGERPRINT, assess, find_baseline, layer_errors, pair_fingerprint, promote
 from paritylab.tracking import metric_key
+from tests.helpers import migrated_store
 
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'history.db'}"
+    uri = migrated_store(tmp_path / "history.db")
     client = MlflowClient(uri)
     return uri, client, client.create_experiment("history")
 

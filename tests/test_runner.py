@@ -18,13 +18,13 @@ from paritylab import Trace
 from paritylab.cli import compose, preflight
 from paritylab.comparison import compare_traces
 from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
-from tests.helpers import parity_runs
+from tests.helpers import migrated_store, parity_runs
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def run_with(tmp_path: Path, *overrides: str):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     cfg = compose([f"tracking.uri={uri}", *overrides])
     result = run(cfg, tmp_path / "run", echo=lambda _: None)
     return result, MlflowClient(uri)
@@ -293,3 +293,34 @@ def test_a_run_pinned_to_an_earlier_runs_alignment_uses_exactly_its_pairs(tmp_pa
         (p.reference, p.candidate) for p in first.report.alignment.pairs
     ]
     assert {p.source for p in second.report.alignment.pairs} == {"rule"}
+
+
+def test_runs_of_one_pair_reuse_the_baseline_alignment_and_a_lost_pair_is_a_finding(tmp_path, monkeypatch):
+    """By default a run pins the alignment of its pair's baseline run in MLflow: a nightly run cannot re-pair
+    modules, and a module paired then whose counterpart is gone now fails its row (and the run)."""
+    import paritylab.experiments.llava_port as port_module
+
+    first, client = run_with(tmp_path, "compare.replay=false")
+    second, _ = run_with(tmp_path, "compare.replay=false")
+    assert first.exit_code == second.exit_code == EXIT_PASS
+    assert client.get_run(second.run_id).data.tags["paritylab.alignment_from"] == first.run_id
+    assert [(p.reference, p.candidate) for p in second.report.alignment.pairs] == [
+        (p.reference, p.candidate) for p in first.report.alignment.pairs
+    ]
+    original = port_module.from_reference
+
+    def without_a_norm(reference):  # tonight's candidate code dropped a norm; the configuration is unchanged
+        port = original(reference)
+        port.llm.layers[1].ffn_norm = torch.nn.Identity()
+        return port
+
+    monkeypatch.setattr(port_module, "from_reference", without_a_norm)
+    third, _ = run_with(tmp_path, "compare.replay=false")
+    assert third.exit_code == EXIT_FAIL
+    assert third.report.alignment.lost == ["model.language_model.layers.1.post_attention_layernorm#0"]
+    row = next(r for r in third.report.rows if r.path == "model.language_model.layers.1.post_attention_layernorm")
+    assert row.verdict == "fail" and "no longer exists" in row.note
+    fresh, _ = run_with(tmp_path, "compare.replay=false", "compare.alignment=fresh")
+    assert (
+        fresh.report.alignment.lost == [] and "paritylab.alignment_from" not in client.get_run(fresh.run_id).data.tags
+    )

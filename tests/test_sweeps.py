@@ -106,6 +106,9 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     assert [m.step for m in history] == [1, 2, 3]
     assert [m.timestamp for m in history] == pytest.approx(starts, abs=5000)  # stamped with each night's start
     assert history[2].value > 2 * history[1].value
+    heatmap = Path(client.download_artifacts(trend.info.run_id, "trend_heatmap.svg", str(tmp_path / "heatmap")))
+    svg = heatmap.read_text()  # layer × night, refreshed each night: three columns now
+    assert svg.startswith("<svg") and "model.language_model.layers.1" in svg and svg.count("<rect") >= 3 * 3
 
 
 def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> list:
@@ -194,11 +197,11 @@ def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
     assert running, "the victim never started its run"
     victim.kill()
     victim.wait()
-    after = subprocess.run(
-        [sys.executable, "-m", "paritylab", "model=llama", "candidate=sdpa", "compare.replay=false",
-         f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'next'}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert after.returncode == 0, after.stdout[-2000:]
-    assert "marked KILLED 1 runs left RUNNING" in after.stdout
+    from paritylab.cli import compose
+    from paritylab.runner import run
+
+    said: list[str] = []
+    cfg = compose(["model=llama", "candidate=sdpa", "compare.replay=false", f"tracking.uri={store}"])
+    assert run(cfg, tmp_path / "next", echo=said.append).exit_code == 0
+    assert any("marked KILLED 1 runs left RUNNING" in line for line in said)
     assert client.get_run(running[0].info.run_id).info.status == "KILLED"
