@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import parity_runs
-
 pytestmark = pytest.mark.slow
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -32,7 +30,11 @@ def runs_of(client: MlflowClient, experiment: str) -> list:
 
 
 def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
-    result = sweep(tmp_path, mlflow_server, "nested", "model=llama", "candidate=bf16,sdpa,eager")
+    """Three jobs run in parallel (Hydra's joblib launcher), nested under one parent run on a real server."""
+    result = sweep(
+        tmp_path, mlflow_server, "nested", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3", "model=llama",
+        "candidate=bf16,sdpa,eager",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     client = MlflowClient(mlflow_server)
     runs = runs_of(client, "nested")
@@ -122,24 +124,6 @@ def parity_runs_named(client: MlflowClient, experiment: str) -> list:
     found = client.get_experiment_by_name(experiment)
     runs = client.search_runs([found.experiment_id], max_results=500)
     return [r for r in runs if "paritylab.pair" in r.data.tags and r.data.tags.get("paritylab.trend") != "true"]
-
-
-def test_parallel_jobs_on_a_fresh_sqlite_store(tmp_path):
-    store = f"sqlite:///{tmp_path / 'fresh.db'}"
-    result = subprocess.run(
-        [sys.executable, "-m", "paritylab", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3",
-         "model=llama", "candidate=bf16,sdpa,eager", "compare.replay=false", f"tracking.uri={store}",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    client = MlflowClient(store)
-    runs = parity_runs(client)
-    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
-    parent_ids = {r.data.tags.get("mlflow.parentRunId") for r in runs}
-    assert len(parent_ids) == 1 and None not in parent_ids
-    summary = json.loads((tmp_path / "sweep" / "paritylab_sweep.json").read_text())
-    assert summary["finished"] and summary["exit_code"] == 0
 
 
 def test_regression_rule_is_a_factor_plus_a_floor():
