@@ -126,7 +126,8 @@ def line_chart(series: Sequence[Series], title: str, x_label: str) -> str:
 
 def heatmap(labels: Sequence[str], columns: Sequence[str], matrix: Sequence[Sequence[float]], title: str) -> str:
     """A labelled grid of cells coloured by value on the ``_LOG_RANGE`` scale, with a colour bar."""
-    cell_w, cell_h, left, top = 90, 16, 150, 60
+    cell_w, cell_h, top = 90, 16, 60
+    left = max(150, 10 + 7 * max((len(label) for label in labels), default=0))  # room for the longest label
     bar_h = max(cell_h * len(labels), 120)
     width, height = left + cell_w * len(columns) + 90, top + bar_h + 20
     parts = [_svg_open(width, height), _text(width / 2, 22, title, size=14, anchor="middle")]

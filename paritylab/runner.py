@@ -459,6 +459,8 @@ class _Session:
         record = self.record
         record.status = status
         record.tags.update(final_tags(self.report, verdict, error, self.notes))
+        if _hydra_overrides():
+            record.tags["paritylab.overrides"] = " ".join(_hydra_overrides())
         if self.report is not None:
             record.metrics = report_metrics(self.report)
             record.table = rows_table(self.report)
@@ -516,6 +518,16 @@ class _Session:
             trend = tracker.call("open the trend run", trend_run, client, experiment, fingerprint, name, tags)
             step = tracker.call("count", next_trend_step, client, trend)
             points = [Metric(m.key, m.value, step, self.start_ms) for m in record.metrics if _trend_metric(m.key)]
+            points += [  # log10 (MLflow's axes are linear), every layer in one chart section: nightly/log10_rel_l2
+                Metric(
+                    f"nightly/log10_rel_l2/{m.key.removeprefix('layer/').removesuffix('/rel_l2')}",
+                    log,
+                    step,
+                    self.start_ms,
+                )
+                for m in points
+                if m.key.startswith("layer/") and (log := _log10(m.value)) is not None
+            ]
             tracker.log_metrics_to(trend, points)
             record.tags["paritylab.trend_run"] = trend
             self._trend_heatmap(tracker, trend, [m.key for m in points if m.key.startswith("layer/")])
@@ -554,9 +566,17 @@ def _upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
 
 def run_name(cfg: DictConfig, overrides: list[str]) -> str:
     """``model/candidate`` plus what varies: the input seed and every other command-line override (Hydra's
-    ``override_dirname``), so runs of a sweep tell themselves apart in the runs list."""
+    ``override_dirname``), each as its last key and value (``scale=1.05``; the full overrides are the tag
+    ``paritylab.overrides``), so runs of a sweep tell themselves apart in the runs list."""
     skip = ("model=", "candidate=", "inputs.seed=", "tracking.", "hydra.", "output_dir=")
-    extra = [item for item in overrides if not item.lstrip("+~").startswith(skip)]
+    extra = []
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if item.lstrip("+~").startswith(skip):
+            continue
+        if key.endswith("_target_"):
+            key, value = "build", value.rsplit(".", 1)[-1]
+        extra.append(f"{key.rsplit('.', 1)[-1]}={value}")
     name = f"{cfg.model.name}/{cfg.candidate.name} seed={cfg.inputs.seed}"
     return f"{name} {' '.join(extra)}"[:250] if extra else name
 

@@ -40,7 +40,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     runs = runs_of(client, "nested")
     (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    names = [f"llama/{c} seed=0 compare.replay=False" for c in ("bf16", "eager", "sdpa")]
+    names = [f"llama/{c} seed=0 replay=False" for c in ("bf16", "eager", "sdpa")]
     assert sorted(r.info.run_name for r in children) == names  # what varies, and every other override
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
     assert parent.info.status == "FINISHED" and "| 0-llama-bf16 | pass |" in parent.data.tags["mlflow.note.content"]
