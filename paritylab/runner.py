@@ -146,15 +146,21 @@ class _Session:
                     self.tracker.end("KILLED")
                 self._keep_for_upload()
                 status, code, error = "KILLED", EXIT_INTERRUPTED, error or "interrupted while publishing"
-        except Exception as failure:  # idem: the results are on disk whatever happens here
+        except Exception as failure:  # a full disk, a bug: what is on disk stays; the MLflow run is not left RUNNING
             self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
             self.echo(f"paritylab: {self.tracking_error}")
+            with suppress(Exception):
+                self.tracker.end("FAILED")
         if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
             code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
         if code == EXIT_PASS and self.regression is not None and self.regression.regressed:
             code = EXIT_FAIL
         with _signals_ignored():  # a second signal must not lose the summary
-            self._write_run_summary(status, code, error)
+            try:
+                self._write_run_summary(status, code, error)
+            except OSError as failure:  # a full disk: say so in one line; the exit code still tells
+                self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
+                code = code if code != EXIT_PASS else EXIT_ERROR
         return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
 
     def _write_run_summary(self, status: str, code: int, error: str | None) -> None:

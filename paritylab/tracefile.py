@@ -85,7 +85,7 @@ class CallRecord:
                 error=None if data.get("error") is None else str(data["error"]),
                 identity=data.get("identity") is True,
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError) as error:  # "index": Infinity
             raise TraceFormatError(f"malformed call record {str(data)[:120]!r}: {error}") from error
 
 

@@ -27,7 +27,7 @@ from paritylab.reporting import to_html
 from paritylab.runner import run
 from paritylab.storage import StorageError, TensorReader
 from paritylab.tracking import TrackingError, metric_key
-from tests.helpers import parity_runs, traced
+from tests.helpers import migrated_store, parity_runs, traced
 from tests.test_runner import app, run_with
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -179,6 +179,26 @@ def test_a_signal_while_publishing_keeps_the_run_and_closes_it_killed(tmp_path, 
     assert upload(result.directory) == (result.run_id, False)
     finished = client.get_run(result.run_id)
     assert finished.info.status == "FINISHED" and finished.data.tags["paritylab.verdict"] == "pass"
+
+
+def test_a_full_disk_while_finishing_fails_the_run_in_one_line_and_never_leaves_it_running(tmp_path, monkeypatch):
+    """ENOSPC when the run record, the reports or run.json are written: no traceback, exit 2, the MLflow
+    run FAILED (not RUNNING), the verdict still printed."""
+    import errno
+
+    from paritylab.publish import RunRecord
+
+    def full(self, directory):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunRecord, "save", full)
+    said: list[str] = []
+    uri = migrated_store(tmp_path / "mlflow.db")
+    result = run(compose([f"tracking.uri={uri}", "compare.replay=false"]), tmp_path / "run", echo=said.append)
+    assert result.exit_code == 2 and "No space left on device" in result.tracking_error
+    assert MlflowClient(uri).get_run(result.run_id).info.status == "FAILED"
+    assert any("PASS" in line for line in said)  # the verdict was reached and shown
+    assert (tmp_path / "run" / "report" / "report.json").is_file()  # what was written before stays
 
 
 # -- disk budget -------------------------------------------------------------------------------------------
@@ -526,3 +546,13 @@ def test_upload_never_follows_a_symlink_out_of_the_run_directory(tmp_path):
     (run_dir / "notes.txt").symlink_to(tmp_path / "secret.txt")
     assert upload_main([str(run_dir), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 2
     assert not (tmp_path / "mlflow.db").exists()  # refused before any tracking
+
+
+def test_infinity_where_an_index_belongs_is_one_line(good_trace, tmp_path):
+    """``"index": Infinity`` (valid to Python's JSON reader) is a malformed trace, not an OverflowError."""
+    target = copy_trace(good_trace, tmp_path / "inf")
+    text = (target / "trace.json").read_text()
+    assert '"index":1,' in text
+    (target / "trace.json").write_text(text.replace('"index":1,', '"index":Infinity,', 1))
+    with pytest.raises(TraceFormatError, match="malformed call record"):
+        Trace.load(target)
