@@ -428,18 +428,20 @@ def test_odd_module_names_get_safe_files_valid_keys_and_escaped_html(tmp_path):
         key = metric_key(f"layer/{row.path}/rel_l2")
         _validate_metric_name(key)
         assert re.fullmatch(r"[A-Za-z0-9_.\- /:]+", key)
-    assert metric_key("layer/ünïcode/rel_l2") == "layer/_n_code/rel_l2"
-    assert metric_key("layer/../rel_l2") == "layer/_/rel_l2"
+    assert re.fullmatch(r"layer/_n_code-[0-9a-f]{6}/rel_l2", metric_key("layer/ünïcode/rel_l2"))
+    assert re.fullmatch(r"layer/_-[0-9a-f]{6}/rel_l2", metric_key("layer/../rel_l2"))
+    assert metric_key("layer/a<b/rel_l2") != metric_key("layer/a>b/rel_l2")  # injective: no two layers share a key
+    assert metric_key("layer/ok.0/rel_l2") == "layer/ok.0/rel_l2"  # valid keys are unchanged
 
 
 def test_metric_key_map_is_written_for_renamed_keys(tmp_path):
     from paritylab.runner import _write_key_map
     from paritylab.tracking import Metric
 
-    _write_key_map(tmp_path, [Metric("layer/blocks.ü.0/rel_l2", 1.0), Metric("layer/blocks.0/rel_l2", 1.0)])
-    assert json.loads((tmp_path / "metric_keys.json").read_text()) == {
-        "layer/blocks._.0/rel_l2": "layer/blocks.ü.0/rel_l2"
-    }
+    names = ["layer/blocks.ü.0/rel_l2", "layer/a<b/rel_l2", "layer/a>b/rel_l2"]
+    _write_key_map(tmp_path, [*(Metric(name, 1.0) for name in names), Metric("layer/blocks.0/rel_l2", 1.0)])
+    key_map = json.loads((tmp_path / "metric_keys.json").read_text())
+    assert key_map == {metric_key(name): name for name in names} and len(key_map) == 3  # every entry kept
 
 
 # -- no pickle -----------------------------------------------------------------------------------------------
