@@ -133,13 +133,14 @@ import gc, pathlib, sys, tempfile
 sys.path.insert(0, {repo!r})
 from benchmarks.bench import llava_bench, MODES
 model, inputs = llava_bench({device!r}, {quick!r}, {attention!r})
-MODES["plain"](model, inputs, pathlib.Path(tempfile.mkdtemp()))  # warm-up: allocator caches, lazy imports
-gc.collect()
-status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-before = status("VmRSS:")
-MODES[{mode!r}](model, inputs, pathlib.Path(tempfile.mkdtemp()))
-print(before, status("VmHWM:"))
+with tempfile.TemporaryDirectory(prefix="paritylab-peak-") as scratch:  # removed at the end, whatever happens
+    MODES["plain"](model, inputs, pathlib.Path(scratch))  # warm-up: allocator caches, lazy imports
+    gc.collect()
+    status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS:")
+    MODES[{mode!r}](model, inputs, pathlib.Path(scratch))
+    print(before, status("VmHWM:"))
 """
 
 
