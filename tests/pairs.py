@@ -60,6 +60,12 @@ def _ids(vocab: int, length: int = 12, batch: int = 2, seed: int = 1) -> torch.T
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def _block_sites(layers: int, prefix: str, ln1: str, attn: str, ln2: str, mlp: str) -> dict[str, tuple[str, ...]]:
+    """TransformerLens' ``blocks.{i}.ln1/attn/ln2/mlp`` and the reference modules under ``{prefix}.{i}``."""
+    parts = {"ln1": ln1, "attn": attn, "ln2": ln2, "mlp": mlp}
+    return {f"blocks.{i}.{ours}": (f"{prefix}.{i}.{theirs}",) for i in range(layers) for ours, theirs in parts.items()}
+
+
 def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers GPT2LMHeadModel against TransformerLens' HookedTransformer (converted by TransformerLens)."""
     from transformer_lens import HookedTransformerConfig
@@ -84,13 +90,7 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         "ln_final": ("transformer.ln_f",),
         "unembed": ("lm_head",),
     }
-    for i in range(layers):
-        sites |= {
-            f"blocks.{i}.ln1": (f"transformer.h.{i}.ln_1",),
-            f"blocks.{i}.attn": (f"transformer.h.{i}.attn",),
-            f"blocks.{i}.ln2": (f"transformer.h.{i}.ln_2",),
-            f"blocks.{i}.mlp": (f"transformer.h.{i}.mlp",),
-        }
+    sites |= _block_sites(layers, "transformer.h", "ln_1", "attn", "ln_2", "mlp")
     return PairCase("gpt2/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
@@ -111,13 +111,7 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     candidate = transformer_lens_model(tl_config, convert_llama_weights(reference, tl_config))
     ids = _ids(256)
     sites = {"embed": ("model.embed_tokens",), "ln_final": ("model.norm",), "unembed": ("lm_head",)}
-    for i in range(layers):
-        sites |= {
-            f"blocks.{i}.ln1": (f"model.layers.{i}.input_layernorm",),
-            f"blocks.{i}.attn": (f"model.layers.{i}.self_attn",),
-            f"blocks.{i}.ln2": (f"model.layers.{i}.post_attention_layernorm",),
-            f"blocks.{i}.mlp": (f"model.layers.{i}.mlp",),
-        }
+    sites |= _block_sites(layers, "model.layers", "input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
     return PairCase(
         "llama-gqa/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites
     )
@@ -148,13 +142,7 @@ def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     candidate = transformer_lens_model(tl_config, convert_neox_weights(reference, tl_config))
     ids = _ids(256)
     sites = {"embed": ("gpt_neox.embed_in",), "ln_final": ("gpt_neox.final_layer_norm",), "unembed": ("lm_head",)}
-    for i in range(layers):
-        sites |= {
-            f"blocks.{i}.ln1": (f"gpt_neox.layers.{i}.input_layernorm",),
-            f"blocks.{i}.attn": (f"gpt_neox.layers.{i}.attention",),
-            f"blocks.{i}.ln2": (f"gpt_neox.layers.{i}.post_attention_layernorm",),
-            f"blocks.{i}.mlp": (f"gpt_neox.layers.{i}.mlp",),
-        }
+    sites |= _block_sites(layers, "gpt_neox.layers", "input_layernorm", "attention", "post_attention_layernorm", "mlp")
     return PairCase("neox/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
