@@ -428,7 +428,7 @@ def _by_fingerprint(
         def confirmed(
             i: int, j: int, r: dict[int, _Features] = ref_features, c: dict[int, _Features] = cand_features
         ) -> float:
-            return _within_group(r[i], c[j]) if _same_source(ref_calls[i], cand_calls[j], flow) > 0 else 0.0
+            return _within_group(r[i], c[j]) if _same_source(ref_calls[i], cand_calls[j], flow) else 0.0
 
         decided += _dp(rows, cols, confirmed)
     found: list[tuple[int, int, Pair]] = []
@@ -438,17 +438,12 @@ def _by_fingerprint(
     return found
 
 
-def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) -> float:
-    """1 when the calls that produced the two primary inputs are paired with each other, -0.5 when the
-    reference input's producer is paired with another call, 0 when data flow says nothing."""
+def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) -> bool:
+    """The calls that produced the two primary inputs are paired with each other (data flow confirms)."""
     ref_node, cand_node = _primary_input(ref), _primary_input(cand)
     ref_from = ref_node.get("from") if ref_node else None
     cand_from = cand_node.get("from") if cand_node else None
-    if not isinstance(ref_from, int) or ref_from not in pairs:
-        return 0.0
-    if pairs[ref_from] == cand_from:
-        return 1.0
-    return -0.5 if isinstance(cand_from, int) else 0.0
+    return isinstance(ref_from, int) and ref_from in pairs and pairs[ref_from] == cand_from
 
 
 def _fits(ref: CallRecord, cand: CallRecord) -> bool:

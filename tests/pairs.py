@@ -66,6 +66,14 @@ def _block_sites(layers: int, prefix: str, ln1: str, attn: str, ln2: str, mlp: s
     return {f"blocks.{i}.{ours}": (f"{prefix}.{i}.{theirs}",) for i in range(layers) for ours, theirs in parts.items()}
 
 
+def _seeded_reference(cls: Callable[[Any], nn.Module], config: Any) -> nn.Module:
+    """The transformers reference, eager attention, seeded without touching the global random state."""
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return cls(config).eval()
+
+
 def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers GPT2LMHeadModel against TransformerLens' HookedTransformer (converted by TransformerLens)."""
     from transformer_lens import HookedTransformerConfig
@@ -73,10 +81,7 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=64)
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = GPT2LMHeadModel(config).eval()
+    reference = _seeded_reference(GPT2LMHeadModel, config)
     tl_config = HookedTransformerConfig(
         n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64,
         act_fn="gelu_new", normalization_type="LN", default_prepend_bos=False, dtype=dtype,
@@ -103,10 +108,7 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-6,
     )  # fmt: skip
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = LlamaForCausalLM(config).eval()
+    reference = _seeded_reference(LlamaForCausalLM, config)
     tl_config = transformer_lens_config(config, dtype)
     candidate = transformer_lens_model(tl_config, convert_llama_weights(reference, tl_config))
     ids = _ids(256)
@@ -129,10 +131,7 @@ def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         max_position_embeddings=64, rotary_pct=0.25, use_parallel_residual=True, layer_norm_eps=1e-5,
         hidden_act="gelu",
     )  # fmt: skip
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = GPTNeoXForCausalLM(config).eval()
+    reference = _seeded_reference(GPTNeoXForCausalLM, config)
     tl_config = HookedTransformerConfig(
         n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64, eps=1e-5,
         act_fn="gelu", normalization_type="LN", positional_embedding_type="rotary", rotary_dim=4,
@@ -194,10 +193,8 @@ def vit_monai(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, image_size=32,
         patch_size=8, layer_norm_eps=1e-5, hidden_act="gelu", qkv_bias=True,
     )  # fmt: skip
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = ViTModel(config).eval()
+    reference = _seeded_reference(ViTModel, config)
+    with torch.random.fork_rng(devices=[]):  # its initial weights are all replaced below (unused norms aside)
         candidate = ViT(
             in_channels=3, img_size=(32, 32), patch_size=(8, 8), hidden_size=64, mlp_dim=128, num_layers=layers,
             num_heads=4, proj_type="conv", classification=True, num_classes=64, spatial_dims=2, qkv_bias=True,
