@@ -130,6 +130,8 @@ class Report:
     """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.replay.attach_replay` ran."""
     culprit_reason: str = ""
     """Why :attr:`first_divergence` was named (free-run origin, unmatched stretch, isolated replay, ...)."""
+    drilldown: dict[str, Any] | None = None
+    """Inside :attr:`first_divergence`, the first operation that differs (``Drilldown.to_dict()``)."""
 
     @property
     def passed(self) -> bool:
@@ -191,6 +193,7 @@ class Report:
             "first_divergence": self.first_divergence.path if self.first_divergence else None,
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
             "culprit_reason": self.culprit_reason,
+            "first_operation": self.drilldown.get("operation") if self.drilldown else None,
             "worst_rel_l2": worst.rel_l2 if worst else None,
             "worst_module": worst.path if worst else None,
             "output_module": output.path if output else None,
@@ -206,6 +209,7 @@ class Report:
         return {
             "summary": self.summary(),
             "rows": [row.to_json() for row in self.rows],
+            "drilldown": self.drilldown,
             "unmatched_candidate": self.alignment.unmatched_candidate,
         }
 

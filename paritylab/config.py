@@ -144,6 +144,9 @@ class CompareConfig:
     candidate call is gone fails its row): ``baseline`` (the pair's baseline run's, when it has one),
     ``fresh`` (align anew), or a file (``report/alignment.yaml`` of an earlier run)."""
     replay: bool = True
+    drilldown: bool = True
+    """On a failing run, record the origin module's call operation by operation on both sides and name the
+    first operation that differs (:mod:`paritylab.drilldown`)."""
     noise_floor: NoiseFloor = NoiseFloor.auto
     noise_multiple: float = 4.0
     save_tensors: bool = True

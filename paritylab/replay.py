@@ -10,7 +10,8 @@ receives reference inputs, and every recorded output carries only the error of t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +47,45 @@ def isolated_replay(
     ``candidate_trace`` (the free-running candidate trace) tells which output slot each pair compares.
     Pairs whose reference value was not saved, or whose shapes differ, are left as they are.
     """
-    plan = _plan(reference, candidate_trace, alignment)
-    counts: dict[str, int] = {}
     options = TraceOptions(save_tensors=directory is not None, capture=None, fingerprint=fingerprint)
-    with Tracer(candidate, directory, options) as trace:
-        handles = [
-            module.register_forward_hook(_replacer(path, counts, plan)) for path, module in candidate.named_modules()
-        ]
-        try:
-            run(candidate)
-        finally:
-            for handle in handles:
-                handle.remove()
-    trace.meta["replay"] = {"replaced_calls": len(plan)}
+    with (
+        Tracer(candidate, directory, options) as trace,
+        teacher_forcing(candidate, reference, candidate_trace, alignment) as replaced,
+    ):
+        run(candidate)
+    trace.meta["replay"] = {"replaced_calls": replaced}
     return trace
+
+
+@contextmanager
+def teacher_forcing(
+    candidate: nn.Module, reference: Trace, candidate_trace: Trace, alignment: Alignment, within: str | None = None
+) -> Iterator[int]:
+    """While inside, every aligned call of ``candidate`` returns the reference's value (yields how many calls
+    are replaced). Hooks registered inside see the replaced outputs. Given ``within`` (a candidate call key),
+    that call and the calls inside it run as they are: only what feeds it is forced."""
+    plan = _plan(reference, candidate_trace, alignment)
+    if within is not None:
+        for key in _inside(candidate_trace, within):
+            plan.pop(key, None)
+    counts: dict[str, int] = {}
+    handles = [
+        module.register_forward_hook(_replacer(path, counts, plan)) for path, module in candidate.named_modules()
+    ]
+    try:
+        yield len(plan)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _inside(trace: Trace, key: str) -> set[str]:
+    """``key`` and the keys of every call made inside it."""
+    inside = {trace.call(key).index}
+    for call in trace.calls:  # a parent starts before its children
+        if call.parent in inside:
+            inside.add(call.index)
+    return {trace.calls[index].key for index in inside}
 
 
 def _plan(reference: Trace, candidate: Trace, alignment: Alignment) -> dict[str, list[_Replacement]]:

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from paritylab.comparison import Report, Row
-from paritylab.tracefile import display_path, json_safe
+from paritylab.tracefile import display_path, json_safe, printable
 
 _COLUMNS = ("#", "module", "candidate", "status", "verdict", "cause", "rel_l2", "max_abs", "cosine", "input_rel")
 
@@ -86,7 +86,18 @@ def to_console(report: Report, limit: int | None = 60) -> str:
     unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
     lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
     lines.append(headline(report))
+    inside = operation_line(report)
+    if inside:
+        lines.append(inside)
     return "\n".join(lines)
+
+
+def operation_line(report: Report) -> str | None:
+    """Where, inside the origin module, the candidate's computation leaves the reference's (the drill-down)."""
+    found = report.drilldown
+    if not found or report.first_divergence is None:
+        return None
+    return f"  inside {display_path(report.first_divergence.path)}: {printable(str(found.get('message')))}"
 
 
 def _md_escape(text: str) -> str:
@@ -98,6 +109,9 @@ def to_markdown(report: Report, limit: int | None = 200) -> str:
     """A markdown summary and table, safe to embed in MLflow descriptions and CI comments."""
     summary = report.summary()
     lines = [f"**{_md_escape(headline(report))}**", ""]
+    inside = operation_line(report)
+    if inside:
+        lines += [_md_escape(inside.strip()), ""]
     if report.origins:
         lines.append("Origins: " + ", ".join(f"`{_md_escape(display_path(r.path))}`" for r in report.origins))
         lines.append("")
@@ -148,6 +162,7 @@ pre {{ background: #f6f6f6; padding: 1em; }}
 </style></head><body>
 <h1>{esc(title)}</h1>
 <p><strong>{esc(headline(report))}</strong></p>
+{f"<p>{esc(operation_line(report) or '')}</p>" if report.drilldown else ""}
 {figures}
 <h2>Modules</h2>
 <table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)}</tr></thead>

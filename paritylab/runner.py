@@ -50,7 +50,7 @@ from paritylab.publish import RUN_UID, RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.sweep import close_stale_runs, process_start, sweep_state
-from paritylab.tracefile import Trace, write_json
+from paritylab.tracefile import Trace, display_path, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten, metric_key
 from paritylab.workload import infer_call
@@ -222,6 +222,8 @@ class _Session:
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
             self._replay(candidate.model.to(self.device), cand_run, ref_trace, cand_trace, tolerances, floors)
         self._write_report()
+        if cfg.compare.drilldown and report.verdict == "fail":
+            self._drill_down(reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
         self.echo(to_console(report))
         return EXIT_CODES[report.verdict]
 
@@ -372,6 +374,35 @@ class _Session:
         self.echo("paritylab: isolated replay")
         replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
         attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
+
+    def _drill_down(
+        self,
+        reference: nn.Module,
+        ref_run: Callable[[nn.Module], Any],
+        candidate: nn.Module,
+        cand_run: Callable[[nn.Module], Any],
+        ref_trace: Trace,
+        cand_trace: Trace,
+    ) -> None:
+        """Inside the origin module, the first operation that differs (both sides run once more)."""
+        from paritylab.drilldown import drill_into
+        from paritylab.replay import teacher_forcing
+
+        report = self.report
+        first = report.first_divergence if report is not None else None
+        if report is None or first is None or first.candidate is None or first.status != "compared":
+            return  # an unmatched module has no counterpart to open
+        self.echo(f"paritylab: drilling into {display_path(first.path)}")
+        key = first.candidate.key
+        found = drill_into(
+            reference.to(self.device), ref_run, first.reference.key, candidate.to(self.device), cand_run, key,
+            lambda model: teacher_forcing(model, ref_trace, cand_trace, report.alignment, within=key),
+            first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2),
+        )  # fmt: skip
+        report.drilldown = found.to_dict()
+        self.notes.extend(f"drill-down: {note}" for note in found.notes)
+        write_json(self.directory / "report" / "drilldown.json", report.drilldown, indent=1)
+        self._write_report()
 
     # -- outputs --------------------------------------------------------------------------------------------
 
@@ -637,6 +668,8 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
     tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
     if report is not None and report.culprit_reason:
         tags["paritylab.culprit_reason"] = report.culprit_reason
+    if report is not None and report.drilldown:
+        tags["paritylab.first_operation"] = str(report.drilldown.get("operation"))[:500]
     tags["mlflow.note.content"] = _description(report, verdict, error, notes)
     if report is not None:
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"

@@ -92,9 +92,12 @@ class CallRecord:
 def display_path(path: str) -> str:
     """A module path for people: the root module shows as ``<root>``; control characters (a module named
     ``"\r\x1b[2K"`` would rewrite a terminal line) are shown escaped, never sent raw."""
-    if not path:
-        return "<root>"
-    return path if path.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in path)
+    return printable(path) if path else "<root>"
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown escaped (safe to print to a terminal)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from paritylab.tracefile import Trace
 from tests.pairs import PAIRS, planted, transformer_lens_available, unavailable
 
 _MISSING = transformer_lens_available()
@@ -172,6 +173,47 @@ def test_code_level_bugs_are_named_exactly(name, bug, expected, tmp_path):
     assert not report.passed
     assert report.first_divergence.path == expected, report.culprit_reason
     assert report.origins[0] is report.first_divergence  # one culprit: the fields agree
+    evidence = DRILLED.get(bug.__name__)
+    if evidence is None:
+        return  # a module with no counterpart: there is nothing to open on the candidate's side
+    found = _drill(case, reference_trace, report, tmp_path)
+    what, constant = evidence
+    if what.startswith(("buffer", "parameter")):  # a table the module reads: the value itself is named
+        assert found.value.origin == what and found.operation == what, found.message
+        return
+    assert what in [op.name for op in found.operations], found.message
+    assert 1 <= len(found.operations) <= 8, found.message  # a stretch of the module, not everything after it
+    if constant is not None:
+        assert constant in [item for op in found.operations for item in op.scalars], found.message
+    assert found.value.op == found.operations[0].index  # the first operation is where the values part
+
+
+DRILLED = {
+    # Inside the named module, the operation carrying the bug (and the constant it was given): TransformerLens
+    # writes its norms and GELU as elementwise code where transformers calls one fused function.
+    "_eps": ("add", "0.01"),
+    "_gelu_variant": ("gelu", None),
+    "_attention_scale": ("div", "4.4"),
+    "_rotary_base": ("buffer rotary_cos", None),
+    "_vit_eps": ("layer_norm", "eps=0.01"),
+    "_vit_gelu_variant": ("gelu", "approximate='tanh'"),
+    "_vit_attention_scale": ("mul", "0.275"),
+}
+
+
+def _drill(case, reference_trace, report, tmp_path):
+    """The drill-down as the runner runs it: the candidate teacher-forced up to the named call."""
+    from paritylab.drilldown import drill_into
+    from paritylab.replay import teacher_forcing
+
+    first = report.first_divergence
+    candidate_trace = Trace.load(tmp_path / "buggy" / "candidate")
+    return drill_into(
+        case.reference, case.reference_call, first.reference.key, case.candidate, case.candidate_call,
+        first.candidate.key,
+        lambda model: teacher_forcing(model, reference_trace, candidate_trace, report.alignment, first.candidate.key),
+        first.candidate.dtype, first.local.get("local_rel_l2"),
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")

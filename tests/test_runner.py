@@ -145,6 +145,13 @@ def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     assert tags["paritylab.first_divergence"] == "model.language_model.layers.1.self_attn.o_proj"
     assert tags["paritylab.verdict"] == "fail"
     assert [row.path for row in result.report.replay_origins] == ["model.language_model.layers.1.self_attn.o_proj"]
+    # Inside it: the planted hook's multiplication, with its constant, in the report, the file and MLflow.
+    assert tags["paritylab.first_operation"] == "mul"
+    drilled = json.loads((result.directory / "report" / "drilldown.json").read_text())
+    assert drilled["candidate"] == "llm.layers.1.attention.wo#0" and drilled["operations"][0]["scalars"] == ["1.01"]
+    assert drilled["counterparts"] == [] and "the reference has no operation on the same inputs" in drilled["message"]
+    assert "inside model.language_model.layers.1.self_attn.o_proj: the inputs agree" in tags["mlflow.note.content"]
+    assert "report/drilldown.json" in {a.path for a in client.list_artifacts(result.run_id, "report")}
     heatmap = (result.directory / "report" / "layer_heatmap.svg").read_text()
     assert heatmap.startswith("<svg") and "language_model.1 rel_l2" in heatmap
 

@@ -1,0 +1,128 @@
+"""Operation-level drill-down on two attention implementations written differently: the reference projects q,
+k and v apart and calls ``scaled_dot_product_attention``; the candidate fuses the projection, splits heads in
+another layout and writes the softmax out. (Third-party pairs: ``tests/test_pairs.py``.)"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paritylab.drilldown import drill_down, drill_into, record_call
+
+DIM, HEADS = 32, 4
+
+
+class FusedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, HEADS, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, DIM))
+
+
+class WrittenOutAttention(nn.Module):
+    def __init__(self, reference: FusedAttention, scale: float | None = None) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([reference.q.weight, reference.k.weight, reference.v.weight]))
+            self.qkv.bias.copy_(torch.cat([reference.q.bias, reference.k.bias, reference.v.bias]))
+            self.out.load_state_dict(reference.o.state_dict())
+        self.scale = scale if scale is not None else (DIM // HEADS) ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        weights = ((q @ k.transpose(-1, -2)) * self.scale).softmax(dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, t, DIM))
+
+
+def _pair(**candidate):
+    torch.manual_seed(0)
+    reference = FusedAttention()
+    return reference, WrittenOutAttention(reference, **candidate), torch.randn(2, 6, DIM)
+
+
+def _drill(reference, candidate, x):
+    run = lambda model: model(x)  # noqa: E731
+    return drill_into(reference, run, "#0", candidate, run, "#0", lambda _: nullcontext(), torch.float32)
+
+
+def test_a_correct_rewrite_names_no_operation():
+    """Fused projection, another head layout, the softmax written out: intermediates the reference never forms
+    are not errors, because what is computed from them agrees again."""
+    found = _drill(*_pair())
+    assert found.value is None and found.operations == [], found.message
+    assert "no operation" in found.message
+    assert found.reference_ops >= 10 and found.candidate_ops >= 10
+
+
+def test_a_softmax_scale_is_named_at_the_multiplication_with_its_constant():
+    scale = 1.1 * (DIM // HEADS) ** -0.5
+    found = _drill(*_pair(scale=scale))
+    # The reference computes q @ k^T, the scaling and the softmax inside one fused call: the stretch from where
+    # the values part to where they can be compared again is named, with the constant it uses.
+    assert [op.name for op in found.operations] == ["matmul", "mul", "softmax", "matmul"], found.message
+    assert [op.name for op in found.counterparts] == ["scaled_dot_product_attention"]
+    assert f"{scale:.6g}" in found.operations[1].scalars and f"constants: {scale:.6g}" in found.message
+    assert found.operation == "matmul .. matmul (4 operations)"
+
+
+def test_where_the_reference_writes_it_out_too_the_operation_itself_is_named():
+    reference, candidate, x = _pair()
+    plain = WrittenOutAttention(reference)
+    candidate.scale *= 1.1
+    found = _drill(plain, candidate, x)
+    assert found.operation == "mul" and found.counterparts[0].name == "mul", found.message
+    assert f"{candidate.scale:.6g} vs the reference's {plain.scale:.6g}" in found.message
+
+
+def test_a_wrong_weight_is_named_as_the_parameter():
+    reference, candidate, x = _pair()
+    with torch.no_grad():
+        candidate.out.weight[0, 0] += 0.5
+    found = _drill(reference, candidate, x)
+    assert found.value is not None and found.value.origin == "parameter out.weight", found.message
+    assert found.operation == "parameter out.weight"
+    assert "linear" in found.message  # where it is read
+
+
+def test_a_hook_that_changes_the_output_is_part_of_the_call():
+    reference, candidate, x = _pair()
+    candidate.register_forward_hook(lambda _module, _args, output: output * 1.01)
+    found = _drill(reference, candidate, x)
+    assert found.culprit is not None and found.culprit.name == "mul" and "1.01" in found.culprit.scalars
+
+
+def test_a_chosen_call_of_a_module_called_twice_is_recorded_alone():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    recording = record_call(model, "0", 1, lambda m: m(torch.randn(3, 4)))
+    assert recording.called and recording.key == "0#1"
+    assert [op.name for op in recording.ops] == ["linear"]
+    first_input = recording.values[0]
+    assert first_input.origin == "input 0.0" and first_input.shape == [3, 4]
+    assert recording.outputs == recording.ops[0].outputs
+    again = record_call(model, "0", 5, lambda m: m(torch.randn(3, 4)))  # never reached
+    assert not again.called and again.ops == []
+    assert "was never called" in " ".join(drill_down(again, again, torch.float32).notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_low_precision_tolerates_rounding_but_not_a_wrong_scale(dtype):
+    reference, candidate, x = _pair()
+    run = lambda model: model(x.to(dtype))  # noqa: E731
+    candidate.to(dtype)
+    clean = drill_into(reference.to(dtype), run, "#0", candidate, run, "#0", lambda _: nullcontext(), dtype)
+    assert clean.value is None, clean.message
+    candidate.scale *= 1.5
+    found = drill_into(reference, run, "#0", candidate, run, "#0", lambda _: nullcontext(), dtype)
+    assert "mul" in [op.name for op in found.operations] and "constants: 0.53033" in found.message, found.message
