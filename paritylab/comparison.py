@@ -130,6 +130,8 @@ class Report:
     """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.replay.attach_replay` ran."""
     culprit_reason: str = ""
     """Why :attr:`first_divergence` was named (free-run origin, unmatched stretch, isolated replay, ...)."""
+    decode: dict[str, Any] | None = None
+    """Decode-step parity (``Generation.to_dict()``: its summary and every step), when it ran."""
     drilldown: dict[str, Any] | None = None
     """Inside :attr:`first_divergence`, the first operation that differs (``Drilldown.to_dict()``)."""
 
@@ -144,9 +146,10 @@ class Report:
         could not be compared by value, or nothing was compared at all) or ``pass``."""
         if self.errors:
             return "error"
-        if self.failing:
+        decode = (self.decode or {}).get("summary", {}).get("verdict", "pass")
+        if self.failing or decode in ("fail", "error"):
             return "fail"
-        if self.not_compared or not any(row.status == "compared" for row in self.rows):
+        if self.not_compared or not any(row.status == "compared" for row in self.rows) or decode != "pass":
             return "inconclusive"
         return "pass"
 
@@ -194,6 +197,7 @@ class Report:
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
             "culprit_reason": self.culprit_reason,
             "first_operation": self.drilldown.get("operation") if self.drilldown else None,
+            "decode": self.decode["summary"] if self.decode else None,
             "worst_rel_l2": worst.rel_l2 if worst else None,
             "worst_module": worst.path if worst else None,
             "output_module": output.path if output else None,

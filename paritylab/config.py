@@ -178,12 +178,23 @@ class TrackingConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """Decode-step parity (:mod:`paritylab.generate`): after the forward, ``steps`` greedy decode steps with a
+    KV cache on both sides, teacher-forced on the reference's tokens; 0 turns it off."""
+
+    steps: int = 0
+    top_k: int = 5
+    """The top-k overlap of the two sides' next-token distributions is measured over this many tokens."""
+
+
+@dataclass
 class ParityConfig:
     model: ModelConfig = MISSING
     candidate: CandidateConfig = MISSING
     inputs: InputsConfig = field(default_factory=InputsConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"
     dtype: DType = DType.float32
     seed: int = 0
@@ -224,6 +235,12 @@ def check_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"compare.{key}={value} must be zero or positive (null: torch's default for the dtype)")
     if not compare.noise_multiple > 0:
         raise ConfigError(f"compare.noise_multiple={compare.noise_multiple} must be positive (default 4)")
+    generate = cfg.get("generate")
+    if generate is not None and (generate.steps < 0 or generate.top_k < 1):
+        raise ConfigError(
+            f"generate.steps={generate.steps} generate.top_k={generate.top_k}: steps must be 0 (off) or more, "
+            "top_k 1 or more"
+        )
     try:
         tolerances = Tolerances.from_config(OmegaConf.to_container(compare, resolve=True))  # type: ignore[arg-type]
     except ValueError as error:

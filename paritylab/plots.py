@@ -158,7 +158,6 @@ def _heatmap_data(towers: dict[str, list[tuple[int, Row]]]) -> tuple[list[str], 
     labels: list[str] = []
     matrix: list[list[float]] = []
     for tower, rows in towers.items():
-        short = tower.rsplit(".", 2)[-2] if tower.count(".") >= 1 else tower
         for number, row in rows:
             cosine = row.metrics.get("cosine")
             values = [
@@ -168,9 +167,18 @@ def _heatmap_data(towers: dict[str, list[tuple[int, Row]]]) -> tuple[list[str], 
                 row.metrics.get("frac_outside"),
                 row.local.get("local_rel_l2"),
             ]
-            labels.append(f"{short}.{number}")
+            labels.append(layer_label(f"{tower}.{number}"))
             matrix.append([math.log10(_positive(v)) for v in values])
     return labels, matrix
+
+
+def layer_label(path: str) -> str:
+    """A numbered layer's short name: ``model.language_model.layers.1`` -> ``language_model.1``."""
+    match = LAYER.match(path)
+    if match is None:
+        return path
+    tower = match["tower"]
+    return f"{tower.rsplit('.', 2)[-2] if '.' in tower else tower}.{match['number']}"
 
 
 def _colour(log_value: float) -> str:

@@ -59,8 +59,19 @@ def headline(report: Report) -> str:
             f"INCONCLUSIVE: nothing failed, but {len(missing)} aligned modules could not be compared by value "
             f"(first {display_path(missing[0].path)}: {reason}); not a pass"
         )
+    decode = summary["decode"] or {}
+    steps = f" and {decode['steps'] - 1} decode steps" if decode else ""
     if report.passed:
-        return f"PASS: {summary['passed']} modules within tolerance (output rel_l2 {fmt(summary['output_rel_l2'])})"
+        rel = fmt(summary["output_rel_l2"])
+        return f"PASS: {summary['passed']} modules within tolerance{steps} (output rel_l2 {rel})"
+    if report.first_divergence is None and decode.get("first_divergence"):
+        token = decode.get("first_token_mismatch")
+        tokens = f"greedy tokens first differ at step {token}" if token is not None else "greedy tokens all agree"
+        where = printable(str(decode["first_divergence"]))
+        return (
+            f"FAIL: the forward agrees, but at decode step {decode['first_failing_step']} divergence starts at "
+            f"{where.split('/', 1)[1]} ({decode.get('culprit_reason')}); {tokens}"
+        )
     first = report.first_divergence
     where = display_path(first.path) if first else "?"
     own = first.local.get("local_rel_l2") if first else None
@@ -89,7 +100,23 @@ def to_console(report: Report, limit: int | None = 60) -> str:
     inside = operation_line(report)
     if inside:
         lines.append(inside)
+    lines.extend(decode_lines(report))
     return "\n".join(lines)
+
+
+def decode_lines(report: Report) -> list[str]:
+    """One line per decode step: verdict, where it starts, tokens, KL and top-k overlap."""
+    if not report.decode:
+        return []
+    summary = report.decode["summary"]
+    lines = [f"decode steps (teacher-forced on the reference's tokens, top-{summary['top_k']} overlap):"]
+    for step in report.decode["steps"]:
+        where = f" starts at {display_path(step['first_divergence'])}" if step["first_divergence"] is not None else ""
+        lines.append(
+            f"  step {step['step']:>3}: {step['verdict']}{where}; tokens agree {step['token_agreement']:.0%}, "
+            f"KL {fmt(step['kl'])}, top-k {step['top_k_overlap']:.0%}, max |logit diff| {fmt(step['max_abs'])}"
+        )
+    return lines
 
 
 def operation_line(report: Report) -> str | None:
@@ -123,6 +150,9 @@ def to_markdown(report: Report, limit: int | None = 200) -> str:
     if limit is not None and len(rows) > limit:
         lines.append(f"| … | {len(rows) - limit} more rows | | | | | | | | |")
     lines.append("")
+    decode = decode_lines(report)
+    if decode:
+        lines += [_md_escape(decode[0]), "", *(f"- {_md_escape(line.strip())}" for line in decode[1:]), ""]
     lines.append(
         f"{summary['passed']} pass, {summary['failed']} fail, {summary['skipped']} skipped; "
         f"unmatched: {summary['unmatched_reference']} reference, {summary['unmatched_candidate']} candidate."
@@ -164,6 +194,7 @@ pre {{ background: #f6f6f6; padding: 1em; }}
 <p><strong>{esc(headline(report))}</strong></p>
 {f"<p>{esc(operation_line(report) or '')}</p>" if report.drilldown else ""}
 {figures}
+{"<h2>Decode steps</h2><pre>" + esc(chr(10).join(decode_lines(report))) + "</pre>" if report.decode else ""}
 <h2>Modules</h2>
 <table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)}</tr></thead>
 <tbody>{"".join(rows_html)}</tbody></table>

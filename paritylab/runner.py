@@ -53,7 +53,7 @@ from paritylab.sweep import close_stale_runs, process_start, sweep_state
 from paritylab.tracefile import Trace, display_path, write_json
 from paritylab.tracing import TraceOptions, Tracer
 from paritylab.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten, metric_key
-from paritylab.workload import infer_call
+from paritylab.workload import CallSpec, infer_call
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
@@ -222,8 +222,10 @@ class _Session:
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
             self._replay(candidate.model.to(self.device), cand_run, ref_trace, cand_trace, tolerances, floors)
         self._write_report()
-        if cfg.compare.drilldown and report.verdict == "fail":
+        if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
             self._drill_down(reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
+        if int(cfg.generate.steps) > 0 and not report.errors:
+            self._generate(reference, candidate.model, inputs, rules, tolerances)
         self.echo(to_console(report))
         return EXIT_CODES[report.verdict]
 
@@ -268,13 +270,16 @@ class _Session:
 
     def _bind(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
         """The side's forward call: its ``call`` config checked against the forward, else read from it."""
+        spec = self._spec(key, model, inputs)
+        self.notes.append(f"{key}: {spec.describe()}")
+        return spec.bind(inputs)
+
+    def _spec(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> CallSpec:
         call = self.cfg[key].call
         given = bool(call.args or call.kwargs)
         args, kwargs = (list(call.args), dict(call.kwargs)) if given else (None, None)
         spec = infer_call(model, inputs, key, args, kwargs, list(call.drop))
-        spec = dataclasses.replace(spec, cast=bool(call.cast))
-        self.notes.append(f"{key}: {spec.describe()}")
-        return spec.bind(inputs)
+        return dataclasses.replace(spec, cast=bool(call.cast))
 
     def _trace(self, side: str, model: nn.Module, run: Callable[[nn.Module], Any]) -> Trace:
         from tqdm.auto import tqdm
@@ -404,6 +409,32 @@ class _Session:
         write_json(self.directory / "report" / "drilldown.json", report.drilldown, indent=1)
         self._write_report()
 
+    def _generate(
+        self,
+        reference: nn.Module,
+        candidate: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        rules: list[Rule],
+        tolerances: Tolerances,
+    ) -> None:
+        """Decode-step parity after the forward (:mod:`paritylab.generate`)."""
+        from paritylab.generate import generate_parity, step_heatmap
+
+        report = self.report
+        assert report is not None
+        steps = int(self.cfg.generate.steps)
+        self.echo(f"paritylab: {steps} decode steps with a KV cache on both sides")
+        generation = generate_parity(
+            reference.to(self.device), candidate.to(self.device), inputs,
+            self._spec("model", reference, inputs), self._spec("candidate", candidate, inputs), self.directory, steps,
+            rules=rules, tolerances=tolerances, top_k=int(self.cfg.generate.top_k), echo=self.echo,
+        )  # fmt: skip
+        report.decode = generation.to_dict()
+        folder = self.directory / "report"
+        write_json(folder / "decode.json", report.decode, indent=1)
+        (folder / "decode_heatmap.svg").write_text(step_heatmap(generation), encoding="utf-8")
+        self._write_report()
+
     # -- outputs --------------------------------------------------------------------------------------------
 
     def _write_report(self) -> None:
@@ -416,7 +447,10 @@ class _Session:
         (folder / "report.md").write_text(to_markdown(report), encoding="utf-8")
         (folder / "alignment.yaml").write_text(report.alignment.to_yaml(), encoding="utf-8")
         _write_csv(folder / "comparison.csv", rows_table(report))
-        images = {path.stem.replace("_", " "): path.read_text(encoding="utf-8") for path in write_plots(report, folder)}
+        figures = write_plots(report, folder)
+        if report.decode and (folder / "decode_heatmap.svg").exists():
+            figures.append(folder / "decode_heatmap.svg")
+        images = {path.stem.replace("_", " "): path.read_text(encoding="utf-8") for path in figures}
         title = f"{self.cfg.model.name} vs {self.cfg.candidate.name}"
         (folder / "report.html").write_text(to_html(report, title, images), encoding="utf-8")
 
@@ -665,7 +699,13 @@ def _candidate_code(cfg: DictConfig) -> Path | None:
 def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
     """Verdict, first divergence, origins and the markdown description."""
     first = report.first_divergence.path if report is not None and report.first_divergence else None
+    decode = (report.decode or {}).get("summary", {}) if report is not None else {}
+    if first is None and decode.get("first_divergence"):
+        first = decode["first_divergence"]  # step<n>/<module>: the forward agrees, a decode step does not
     tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
+    if decode:
+        for key in ("first_failing_step", "first_token_mismatch"):
+            tags[f"paritylab.decode.{key}"] = "none" if decode.get(key) is None else str(decode[key])
     if report is not None and report.culprit_reason:
         tags["paritylab.culprit_reason"] = report.culprit_reason
     if report is not None and report.drilldown:
@@ -708,6 +748,19 @@ def report_metrics(report: Report) -> list[Metric]:
     first = summary["first_divergence_index"]
     _add(metrics, "summary/first_divergence_index", -1 if first is None else first, 0)
     _add(metrics, "summary/failing_modules", summary["failed"], 0)
+    if report.decode:  # per decode step: step = the decode step
+        for step in report.decode["steps"]:
+            for name in ("token_agreement", "kl", "top_k_overlap", "max_abs", "output_rel_l2"):
+                _add(metrics, f"decode/{name}", step.get(name), int(step["step"]))
+            if step.get("output_rel_l2"):
+                _add(
+                    metrics,
+                    "decode/log10_output_rel_l2",
+                    math.log10(max(step["output_rel_l2"], 1e-300)),
+                    int(step["step"]),
+                )
+        failing = report.decode["summary"]["first_failing_step"]
+        _add(metrics, "summary/decode_first_failing_step", -1 if failing is None else failing, 0)
     _add(metrics, "summary/passing_modules", summary["passed"], 0)
     _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
     _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)

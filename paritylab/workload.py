@@ -41,9 +41,12 @@ class CallSpec:
     """Cast floating-point inputs to the model's floating-point parameter dtype (a bf16 candidate gets bf16)."""
     dropped: tuple[str, ...] = ()
 
-    def bind(self, inputs: Mapping[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
+    def bind(
+        self, inputs: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None = None
+    ) -> Callable[[nn.Module], Any]:
         """A call ``run(model)`` with the inputs bound; floating-point inputs are cast to the dtype of the
-        model it is given when ``cast`` (so one call serves a model and its float64 or bf16 copies)."""
+        model it is given when ``cast`` (so one call serves a model and its float64 or bf16 copies).
+        ``extra`` keyword arguments are passed as they are (a decode step's cache)."""
 
         def run(model: nn.Module) -> Any:
             dtype = _float_dtype(model) if self.cast else None
@@ -55,7 +58,8 @@ class CallSpec:
                 return value
 
             args = [prepared(name) for name in self.args]
-            return model(*args, **{parameter: prepared(name) for parameter, name in self.kwargs.items()})
+            keywords = {parameter: prepared(name) for parameter, name in self.kwargs.items()}
+            return model(*args, **keywords, **(extra or {}))
 
         return run
 

@@ -140,19 +140,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + turned * sin[:, None]
 
 
+class KVCache:
+    """Each decoder layer's keys and values so far (after rotary, before heads are repeated), grown by every
+    forward given it: what makes one-token decode steps cheap."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys and values for ``layer``; returns all of them."""
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
 class Attention(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.heads, self.kv_heads = config.heads, config.kv_heads
         self.head_dim = config.dim // config.heads
         self.wqkv = nn.Linear(config.dim, (config.heads + 2 * config.kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(config.heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         q, k, v = self.wqkv(x).split(sizes, dim=-1)
         q, k, v = split_heads(q, self.heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         return self.wo(merge_heads(attend(q, k, v, mask)))
@@ -170,15 +197,17 @@ class FeedForward(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.dim, config.eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -187,19 +216,26 @@ class Decoder(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.rotary = Rotary(config.dim // config.heads, config.rope_theta)
-        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.layers))
+        self.layers = nn.ModuleList(DecoderBlock(config, layer) for layer in range(config.layers))
         self.norm = RMSNorm(config.dim, config.eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, embeddings: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, padding: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         batch, length, _ = embeddings.shape
-        positions = torch.arange(length, device=embeddings.device).expand(batch, length)
+        past = cache.length if cache is not None else 0
+        positions = self.positions(past, length, embeddings.device).expand(batch, length)
         cos, sin = self.rotary(positions, embeddings.dtype)
-        mask = causal_mask(length, embeddings.device, padding)
+        mask = causal_mask(length, embeddings.device, padding, past)
         x = embeddings
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, cache)
         return self.output(self.norm(x))
+
+    def positions(self, past: int, length: int, device: torch.device) -> torch.Tensor:
+        """The positions of ``length`` new tokens after ``past`` cached ones."""
+        return torch.arange(past, past + length, device=device)[None]
 
 
 class LlavaPort(nn.Module):
@@ -215,21 +251,35 @@ class LlavaPort(nn.Module):
         )
         self.llm = Decoder(config.text)
 
+    def new_cache(self) -> KVCache:
+        """An empty cache for decoding: pass it as ``cache=`` to every step (paritylab's generate workload)."""
+        return KVCache()
+
     def forward(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """Logits for every position of ``input_ids``. With ``cache``, positions continue after the cached
+        ones and ``attention_mask`` covers the cached tokens too; decode steps pass no pixels."""
+        text = self.llm.tok_embeddings(input_ids)
+        slots = input_ids == self.config.image_token_id
+        if pixel_values is None:
+            if bool(slots.any()):
+                raise ValueError("input_ids hold image tokens but no pixel_values were given")
+            return self.llm(text, attention_mask, cache)
         features = self.vit(pixel_values)[self.feature_index]
         if self.config.drop_cls:
             features = features[:, 1:]
         image = self.mm_projector(features)
-        text = self.llm.tok_embeddings(input_ids)
-        slots = input_ids == self.config.image_token_id
         if int(slots.sum()) != image.shape[0] * image.shape[1]:
             raise ValueError(
                 f"{int(slots.sum())} image tokens in input_ids but {image.shape[0] * image.shape[1]} image features"
             )
         merged = text.masked_scatter(slots[..., None].expand_as(text), image.to(text.dtype))
-        return self.llm(merged, attention_mask)
+        return self.llm(merged, attention_mask, cache)
 
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -250,9 +300,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return weights @ v
 
 
-def causal_mask(length: int, device: torch.device, padding: torch.Tensor | None) -> torch.Tensor:
-    """Boolean mask (batch or 1, 1, query, key): True where attention is allowed."""
-    mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+def causal_mask(length: int, device: torch.device, padding: torch.Tensor | None, past: int = 0) -> torch.Tensor:
+    """Boolean mask (batch or 1, 1, query, key): True where attention is allowed. ``length`` new queries after
+    ``past`` cached keys; ``padding`` covers every key (cached and new)."""
+    mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(diagonal=past)[None, None]
     if padding is not None:
         mask = mask & padding.bool()[:, None, None, :]
     return mask

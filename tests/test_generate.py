@@ -1,0 +1,109 @@
+"""Decode-step parity: the LLaVA port grows its own KV cache, transformers uses its own; both are fed the
+reference's greedy tokens. Bugs that only bite with a cache are named at the step and module where they start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from paritylab.candidates import build_candidate
+from paritylab.cli import compose
+from paritylab.config import ConfigError
+from paritylab.generate import generate_parity
+from paritylab.inputs import build_inputs
+from paritylab.runner import EXIT_FAIL
+from paritylab.workload import infer_call
+from tests.faulty import decode_bug_port
+from tests.test_runner import run_with
+
+
+@pytest.fixture(scope="module")
+def setting():
+    cfg = compose([])
+    from paritylab.references import llava
+
+    reference = llava().eval()
+    inputs = build_inputs(cfg.inputs, "llava", reference, None)
+    return cfg, reference, inputs
+
+
+def _generate(setting, candidate, directory, steps=3):
+    _, reference, inputs = setting
+    specs = infer_call(reference, inputs, "model"), infer_call(candidate, inputs, "candidate")
+    return generate_parity(reference, candidate, inputs, *specs, directory, steps, top_k=5)
+
+
+@pytest.mark.parametrize("name", ["port", "bf16", "sdpa", "compiled"])
+def test_clean_candidates_agree_at_every_step(name, setting, tmp_path):
+    _, reference, _ = setting
+    overrides = [f"candidate={name}"] + (["candidate.backend=aot_eager"] if name == "compiled" else [])
+    candidate = build_candidate(compose(overrides).candidate, "llava", reference).model  # aot_eager: the same
+    steps = 1 if name == "compiled" else 3  # graph capture (guards on the cache) without C++ compilation
+    generation = _generate(setting, candidate, tmp_path, steps)
+    assert generation.verdict == "pass", [(s.step, s.first_divergence) for s in generation.steps]
+    assert [step.step for step in generation.steps] == list(range(steps + 1))
+    for step in generation.steps:
+        assert step.token_agreement == 1.0 and step.top_k_overlap == 1.0
+        assert 0.0 <= step.kl < (1e-5 if name == "bf16" else 1e-9)
+        assert step.reference_tokens == step.candidate_tokens
+    assert generation.summary()["first_failing_step"] is None
+    assert generation.candidate_style == ("cache" if name == "port" else "past_key_values")
+    assert (tmp_path / "steps" / str(steps) / "candidate" / "trace.json").exists()  # every step traced on both sides
+
+
+@pytest.mark.parametrize(
+    ("bug", "step", "module"),
+    [
+        ("position", 2, "model.language_model.rotary_emb"),  # positions reach the model through the rotary tables
+        ("stale", 3, "model.language_model.layers.0.self_attn"),
+        ("mask", 2, "model.language_model.layers.0.self_attn"),
+        ("position", 4, "model.language_model.rotary_emb"),
+    ],
+)
+def test_a_decode_bug_is_named_at_its_step_and_module(bug, step, module, setting, tmp_path):
+    _, reference, _ = setting
+    generation = _generate(setting, decode_bug_port(reference, bug, step), tmp_path, steps=4)
+    summary = generation.summary()
+    assert summary["verdict"] == "fail"
+    assert summary["first_failing_step"] == step, [(s.step, s.verdict) for s in generation.steps]
+    assert summary["first_divergence"] == f"step{step}/{module}"
+    assert all(s.verdict == "pass" for s in generation.steps[:step])  # earlier steps agree
+    assert generation.steps[step].max_abs > 1e-6
+
+
+def test_a_model_that_cannot_decode_is_refused_in_one_line(setting, tmp_path):
+    _, reference, inputs = setting
+    vision = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"takes neither past_key_values .* nor cache="):
+        generate_parity(reference, vision, inputs, infer_call(reference, inputs, "model"),
+                        infer_call(reference, inputs, "model"), tmp_path, 2)  # fmt: skip
+
+
+def test_generate_through_the_app_logs_steps_and_names_the_step(tmp_path):
+    result, client = run_with(
+        tmp_path,
+        "generate.steps=3",
+        "candidate.ports.llava.build._target_=tests.faulty.decode_bug_port",
+        "+candidate.ports.llava.build.bug=mask",
+    )
+    assert result.exit_code == EXIT_FAIL
+    run = client.get_run(result.run_id)
+    tags = run.data.tags
+    assert tags["paritylab.first_divergence"] == "step2/model.language_model.layers.0.self_attn"
+    assert tags["paritylab.decode.first_failing_step"] == "2" and tags["paritylab.verdict"] == "fail"
+    assert result.report.first_divergence is None  # the forward itself agrees
+    history = MlflowClient(client.tracking_uri).get_metric_history(result.run_id, "decode/token_agreement")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3]
+    max_abs = {m.step: m.value for m in client.get_metric_history(result.run_id, "decode/max_abs")}
+    assert max_abs[0] < 1e-6 and max_abs[1] < 1e-6 and max_abs[2] > 1e-4
+    decode = json.loads((result.directory / "report" / "decode.json").read_text())
+    assert decode["summary"]["first_divergence"] == "step2/model.language_model.layers.0.self_attn"
+    assert [s["verdict"] for s in decode["steps"]] == ["pass", "pass", "fail", "fail"]
+    artifacts = {a.path for a in client.list_artifacts(result.run_id, "report")}
+    assert {"report/decode.json", "report/decode_heatmap.svg"} <= artifacts
+    assert (
+        "at decode step 2 divergence starts at model.language_model.layers.0.self_attn" in tags["mlflow.note.content"]
+    )
