@@ -251,13 +251,18 @@ def test_sigterm_ends_the_run_killed_with_partial_artifacts(tmp_path):
 # -- concurrency ---------------------------------------------------------------------------------------------
 
 
+JOBS = 4
+
+
 @pytest.mark.slow
-def test_eight_parallel_jobs_on_one_fresh_sqlite_store(tmp_path):
+def test_parallel_jobs_on_one_fresh_sqlite_store(tmp_path):
+    """Four processes, two per core in CI, all creating the store at once (it was eight: the race is the same,
+    the wait was twice as long)."""
     store = f"sqlite:///{tmp_path / 'shared.db'}"
     common = ["model=llama", "candidate=bf16", "compare.replay=false", "compare.noise_floor=off"]
     common += ["compare.rtol=1e-1", "compare.atol=1e-1", f"tracking.uri={store}"]
     jobs = []
-    for index in range(8):
+    for index in range(JOBS):
         command = [
             sys.executable,
             "-m",
@@ -270,11 +275,11 @@ def test_eight_parallel_jobs_on_one_fresh_sqlite_store(tmp_path):
             subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     outputs = [job.communicate(timeout=600)[0] for job in jobs]
-    assert [job.returncode for job in jobs] == [0] * 8, outputs
+    assert [job.returncode for job in jobs] == [0] * JOBS, outputs
     client = MlflowClient(store)
     runs = parity_runs(client)
-    assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
-    assert sorted(r.data.params["seed"] for r in runs) == [str(i) for i in range(8)]
+    assert len(runs) == JOBS and {r.info.status for r in runs} == {"FINISHED"}
+    assert sorted(r.data.params["seed"] for r in runs) == [str(i) for i in range(JOBS)]
 
 
 # -- hostile or corrupt trace files --------------------------------------------------------------------------

@@ -243,10 +243,14 @@ def test_pretrained_checkpoint_with_its_processor_and_image(tmp_path):
 @pytest.mark.parametrize("candidate", ["sdpa", "compiled"])
 def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
     overrides = ["model=llama", f"candidate={candidate}", "compare.replay=false"]
-    if candidate == "compiled":
-        overrides.append("candidate.backend=aot_eager")  # the same graph capture, without C++ compilation
+    if candidate == "compiled":  # aot_eager: the same graph capture, without C++ compilation; and a decode
+        overrides += ["candidate.backend=aot_eager", "generate.steps=1"]  # step: the compiled model's cache works
     result, _ = run_with(tmp_path, *overrides)
     assert result.exit_code == EXIT_PASS, result.error
+    if candidate == "compiled":
+        decode = result.report.decode
+        assert decode["summary"]["verdict"] == "pass" and [s["step"] for s in decode["steps"]] == [0, 1]
+        assert all(s["token_agreement"] == 1.0 and s["kl"] < 1e-9 for s in decode["steps"])
     rows = [row for row in result.report.rows if row.status == "compared"]
     assert len(rows) == len(Trace.load(result.directory / "reference").calls)
     assert all(row.source == "identity" for row in rows)
