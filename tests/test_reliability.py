@@ -124,11 +124,9 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert run.data.tags["paritylab.uploaded_from"] == str(directory)
     assert run.data.metrics["summary/failing_modules"] == 0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
-    again = subprocess.run(
-        [sys.executable, "-m", "paritylab.upload", str(directory), "--tracking-uri", store],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert again.returncode == 0 and "already published" in again.stdout
+    from paritylab.upload import upload
+
+    assert upload(directory, store) == (run.info.run_id, True)  # again (in process: the CLI ran above)
     assert [r.info.run_id for r in parity_runs(client)] == [run.info.run_id]  # idempotent: still one run
 
 
