@@ -27,6 +27,9 @@ class Candidate:
     rules: list[Rule] = field(default_factory=list)
     weights: WeightParity | None = None
     notes: list[str] = field(default_factory=list)
+    cast_of: torch.dtype | None = None
+    """Set when the candidate is the reference converted to this dtype: the same computation at that
+    precision, so its trace is the reference's own low-precision trace (the noise floor reuses it)."""
 
 
 def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candidate:
@@ -36,7 +39,7 @@ def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candi
         return _port(cfg, family, reference)
     if kind == "dtype":
         dtype = getattr(torch, str(cfg.dtype))
-        return Candidate(converted_copy(reference, dtype))
+        return Candidate(converted_copy(reference, dtype), cast_of=dtype)
     if kind == "attention":
         return Candidate(_with_attention(reference, str(cfg.attn_implementation)))
     if kind == "compiled":

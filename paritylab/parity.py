@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.alignment import Rule, align
+from paritylab.alignment import Alignment, Rule, align
 from paritylab.comparison import Report, compare_traces, primary_output
 from paritylab.comparison import noise_floor as free_run_floor
 from paritylab.metrics import Tolerance, Tolerances, divergence
@@ -70,22 +70,33 @@ def estimate_floors(
     dtype: torch.dtype,
     directory: Path,
     cast_inputs: Callable[[torch.dtype], Call] | None = None,
+    low_trace: Trace | None = None,
 ) -> Floors:
     """The reference's free-run and local noise floors at ``dtype`` (see :class:`Floors`).
 
     ``cast_inputs(dtype)`` gives the call that runs a copy of the reference in ``dtype`` (floating-point
-    inputs cast); by default ``call`` itself is used for every copy.
+    inputs cast); by default ``call`` itself is used for every copy. ``low_trace``: the reference's trace at
+    ``dtype`` when it exists already (a candidate that is the reference cast to ``dtype``); then only the free
+    run's floor is estimated here, and the local floors come from that candidate's own isolated replay
+    (:func:`local_floors`), which is the same computation.
     """
     runner = cast_inputs or (lambda _: call)
     exact_model = converted_copy(reference, torch.float64)
     exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
     del exact_model
+    if low_trace is not None:
+        return Floors(dtype, free_run_floor(exact, low_trace))
     low_model = converted_copy(reference, dtype)
     low = trace_model(low_model, runner(dtype), directory / "noise-low", capture=None)
     alignment = align(reference_trace, low)
     replayed = isolated_replay(
         low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
     )
+    return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment))
+
+
+def local_floors(reference_trace: Trace, replayed: Trace, alignment: Alignment) -> dict[str, dict[str, float]]:
+    """Per reference call key, the metrics of a low-precision copy's isolated replay against the reference."""
     local_metrics: dict[str, dict[str, float]] = {}
     for pair in alignment.pairs:
         ref_call, own = reference_trace.call(pair.reference), replayed.call(pair.candidate)
@@ -95,7 +106,7 @@ def estimate_floors(
         metrics = divergence(ref_value, own_value, Tolerance(0.0, 0.0))
         if metrics["rel_l2"] == metrics["rel_l2"]:  # not NaN
             local_metrics[pair.reference] = metrics
-    return Floors(dtype, free_run_floor(exact, low), local_metrics)
+    return local_metrics
 
 
 def check(

@@ -44,7 +44,7 @@ from paritylab.history import (
 )
 from paritylab.inputs import build_inputs
 from paritylab.metrics import Tolerances
-from paritylab.parity import Floors, estimate_floors, low_precision
+from paritylab.parity import Floors, estimate_floors, local_floors, low_precision
 from paritylab.plots import LAYER, layer_rows, trend_heatmap, write_plots
 from paritylab.publish import RUN_UID, RunRecord, publish
 from paritylab.reporting import headline, rows_table, to_console, to_html, to_json, to_markdown
@@ -114,6 +114,7 @@ class _Session:
         self.started = time.perf_counter()
         self.regression: Regression | None = None
         self.sweep = sweep_state()
+        self.floors_from_replay = False
 
     def execute(self) -> RunResult:
         status, code, error = "FINISHED", EXIT_PASS, None
@@ -205,7 +206,7 @@ class _Session:
         cand_trace = self._trace("candidate", candidate.model, cand_run)
         if one_resident:
             self._offload("candidate", candidate.model)
-        floors = self._noise_floor(reference, candidate.model, ref_run, ref_trace)
+        floors = self._noise_floor(reference, candidate, ref_run, ref_trace, cand_trace)
         rules = self._rules(candidate)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
@@ -350,14 +351,26 @@ class _Session:
             self.echo(f"paritylab: weight parity fails before any forward: {'; '.join(problems)}")
 
     def _noise_floor(
-        self, reference: nn.Module, candidate: nn.Module, run: Callable[[nn.Module], Any], ref_trace: Trace
+        self,
+        reference: nn.Module,
+        candidate: Candidate,
+        run: Callable[[nn.Module], Any],
+        ref_trace: Trace,
+        cand_trace: Trace,
     ) -> Floors | None:
         mode = str(self.cfg.compare.noise_floor)
-        low = low_precision(reference, candidate)
+        low = low_precision(reference, candidate.model)
         if mode == "off" or (mode == "auto" and low is None):
             return None
         low = low or torch.bfloat16
         self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
+        if candidate.cast_of == low:  # the candidate is the reference at that precision: reuse, don't re-run it
+            self.notes.append(
+                f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace and "
+                "isolated replay serve as the floor's low-precision side (two forwards saved)"
+            )
+            self.floors_from_replay = True
+            return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
 
     def _rules(self, candidate: Candidate) -> list[Rule]:
@@ -378,6 +391,8 @@ class _Session:
         assert self.report is not None
         self.echo("paritylab: isolated replay")
         replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
+        if floors is not None and self.floors_from_replay:
+            floors.local_metrics = local_floors(reference, replay, self.report.alignment)
         attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
 
     def _drill_down(
