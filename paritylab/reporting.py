@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -166,41 +167,33 @@ def to_json(report: Report) -> str:
 
 
 def to_html(report: Report, title: str = "paritylab report", images: dict[str, str] | None = None) -> str:
-    """A self-contained HTML page; every name shown is escaped (module names come from user code).
+    """A self-contained HTML page from ``templates/report.html.j2``, rendered with autoescape: every name shown
+    is escaped (module names and operation arguments come from user code).
 
     ``images`` maps captions to SVG documents to embed (paritylab's own plots: trusted markup).
     """
-    esc = html.escape
-    rows_html = []
-    for row in report.rows:
-        css = {"fail": "fail", "pass": "pass"}.get(row.verdict, "skip")
-        cells = "".join(f"<td>{esc(cell)}</td>" for cell in _cells(row))
-        rows_html.append(f'<tr class="{css}">{cells}</tr>')
-    figures = "".join(
-        f"<figure>{svg}<figcaption>{esc(caption)}</figcaption></figure>" for caption, svg in (images or {}).items()
+    first = report.first_divergence
+    return _template().render(
+        title=title,
+        headline=headline(report),
+        drilldown=report.drilldown,
+        origin=display_path(first.path) if first is not None else "",
+        images=images or {},
+        decode="\n".join(decode_lines(report)),
+        columns=_COLUMNS,
+        rows=[({"fail": "fail", "pass": "pass"}.get(row.verdict, "skip"), _cells(row)) for row in report.rows],
+        summary=json.dumps(json_safe(report.summary()), indent=1),
     )
-    summary = esc(json.dumps(json_safe(report.summary()), indent=1))
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{esc(title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; font-size: 13px; }}
-td, th {{ border: 1px solid #ddd; padding: 2px 6px; text-align: left; }}
-tr.fail {{ background: #fde2e2; }} tr.pass {{ background: #f3fbf3; }} tr.skip {{ color: #888; }}
-figure {{ display: inline-block; margin: 1em; vertical-align: top; }}
-pre {{ background: #f6f6f6; padding: 1em; }}
-</style></head><body>
-<h1>{esc(title)}</h1>
-<p><strong>{esc(headline(report))}</strong></p>
-{f"<p>{esc(operation_line(report) or '')}</p>" if report.drilldown else ""}
-{figures}
-{"<h2>Decode steps</h2><pre>" + esc(chr(10).join(decode_lines(report))) + "</pre>" if report.decode else ""}
-<h2>Modules</h2>
-<table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)}</tr></thead>
-<tbody>{"".join(rows_html)}</tbody></table>
-<h2>Summary</h2><pre>{summary}</pre>
-</body></html>
-"""
+
+
+@functools.cache
+def _template() -> Any:
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    environment = Environment(
+        loader=PackageLoader("paritylab", "templates"), autoescape=select_autoescape(["html", "j2"])
+    )
+    return environment.get_template("report.html.j2")
 
 
 def rows_table(report: Report) -> dict[str, list[Any]]:

@@ -165,6 +165,9 @@ def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     assert drilled["counterparts"] == [] and "the reference has no operation on the same inputs" in drilled["message"]
     assert "inside model.language_model.layers.1.self_attn.o_proj: the inputs agree" in tags["mlflow.note.content"]
     assert "report/drilldown.json" in {a.path for a in client.list_artifacts(result.run_id, "report")}
+    page = (result.directory / "report" / "report.html").read_text()
+    assert "Inside model.language_model.layers.1.self_attn.o_proj: where the values part" in page
+    assert "<code>mul(linear[1, 20, 32], 1.01)</code>" in page
     heatmap = (result.directory / "report" / "layer_heatmap.svg").read_text()
     assert heatmap.startswith("<svg") and "language_model.1 rel_l2" in heatmap
 

@@ -1,0 +1,111 @@
+"""The whole run a user waits for, against the least any tool must do: whole processes at llava-bench size.
+
+    python benchmarks/whole_run.py [--rounds 3] [--quick]
+
+Each round runs, back to back, in fresh processes (so imports count, as they do for a user):
+
+- ``floor``: build the reference and the candidate (our port, or the reference in bf16) and run one forward
+  each, in ``torch.no_grad()``: what any parity tool must do at least;
+- ``paritylab``: ``python -m paritylab`` on the same model and inputs, with the embedded SQLite MLflow store;
+
+for ``candidate=port`` and ``candidate=bf16``. Ratios are medians of per-round ratios. The phase timings of the
+last paritylab run of each kind (``run.json``) say where the difference goes. Everything is written into a
+temporary directory that is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPOSITORY))
+
+from benchmarks.bench import BENCH_SIZE, QUICK_SIZE  # noqa: E402
+
+FLOOR = """
+import sys, time, torch
+sys.path.insert(0, {repository!r})
+from paritylab.cli import compose
+from paritylab.candidates import build_candidate
+from paritylab.inputs import build_inputs
+cfg = compose({overrides!r})
+from paritylab.candidates import instantiate
+torch.manual_seed(0)
+reference = instantiate("model.build", cfg.model.build)
+inputs = build_inputs(cfg.inputs, cfg.model.family, reference, None)
+candidate = build_candidate(cfg.candidate, cfg.model.family, reference).model
+with torch.no_grad():
+    reference(**inputs)
+    candidate(**{{k: v.to(torch.bfloat16) if v.is_floating_point() and {bf16} else v for k, v in inputs.items()}})
+"""
+
+
+def _overrides(quick: bool) -> list[str]:
+    size = {**BENCH_SIZE, **(QUICK_SIZE if quick else {})}
+    return [
+        "model=llava", "inputs.prompt_length=64", "+model.build.intermediate_size=null",
+        *(f"model.build.{key}={value}" for key, value in size.items()),
+    ]  # fmt: skip
+
+
+def _run(command: list[str], scratch: Path) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, cwd=scratch, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
+    options = parser.parse_args(argv)
+    base = _overrides(options.quick)
+    scratch = Path(tempfile.mkdtemp(prefix="paritylab-whole-run-"))
+    results: dict[str, dict[str, float]] = {}
+    try:
+        times: dict[str, dict[str, list[float]]] = {c: {"floor": [], "paritylab": []} for c in ("port", "bf16")}
+        phases: dict[str, dict[str, float]] = {}
+        for number in range(options.rounds + 1):  # round 0 warms the page cache
+            for candidate in ("port", "bf16"):
+                overrides = [*base, f"candidate={candidate}"]
+                code = FLOOR.format(repository=str(REPOSITORY), overrides=overrides, bf16=candidate == "bf16")
+                floor = _run([sys.executable, "-c", code], scratch)
+                run_dir = scratch / f"run-{candidate}"
+                parity = _run([sys.executable, "-m", "paritylab", *overrides, f"hydra.run.dir={run_dir}"], scratch)
+                phases[candidate] = json.loads((run_dir / "run.json").read_text())["seconds"]
+                shutil.rmtree(run_dir, ignore_errors=True)
+                if number:
+                    times[candidate]["floor"].append(floor)
+                    times[candidate]["paritylab"].append(parity)
+        for candidate, measured in times.items():
+            ratios = [p / f for p, f in zip(measured["paritylab"], measured["floor"], strict=True)]
+            results[candidate] = {
+                "floor_s": statistics.median(measured["floor"]),
+                "paritylab_s": statistics.median(measured["paritylab"]),
+                "ratio": statistics.median(ratios),
+                **{f"phase: {phase}": value for phase, value in phases[candidate].items()},
+            }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"| candidate | build + one forward each | python -m paritylab | ratio (median of {options.rounds}) |")
+    print("|---|---|---|---|")
+    for candidate, figures in results.items():
+        print(
+            f"| {candidate} | {figures['floor_s']:.1f} s | {figures['paritylab_s']:.1f} s | {figures['ratio']:.2f}x |"
+        )
+    for candidate, figures in results.items():
+        shown = ", ".join(f"{k.removeprefix('phase: ')} {v:.1f}" for k, v in figures.items() if k.startswith("phase"))
+        print(f"{candidate}, seconds per phase (last run): {shown}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
