@@ -103,6 +103,8 @@ class MlflowTracker(Tracker):
         self.experiment = experiment
         self.experiment_id: str | None = None
         self.run_id: str | None = None
+        self._artifact_roots: dict[str, Path | None] = {}
+        """Per run, its local artifact directory (``None``: not on this machine's file system)."""
 
     def call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         """``function(*args)``, with MLflow's failures as one-line :class:`TrackingError`."""
@@ -169,7 +171,33 @@ class MlflowTracker(Tracker):
         self._call("upload artifacts", self.client.log_artifacts, self.run_id, str(directory), artifact_path)
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if path.suffix in LINKABLE and self._link(path, artifact_path):
+            return
         self._call("upload an artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def _link(self, path: Path, artifact_path: str | None) -> bool:
+        """With a local artifact store, hard-link the file into it instead of copying it (one copy of the
+        traces on disk). Only files paritylab never rewrites in place are linked (:data:`LINKABLE`); a store on
+        another file system, or a server, gets a copy."""
+        if self.run_id is None:
+            return False
+        if self.run_id not in self._artifact_roots:
+            from urllib.parse import unquote, urlparse
+
+            uri = self._call("find the run's artifact store", self.client.get_run, self.run_id).info.artifact_uri
+            parsed = urlparse(uri)
+            self._artifact_roots[self.run_id] = Path(unquote(parsed.path)) if parsed.scheme in ("", "file") else None
+        root = self._artifact_roots[self.run_id]
+        if root is None:
+            return False
+        target = root / (artifact_path or "") / path.name
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            os.link(path, target)
+        except OSError:  # another file system, or links not allowed: copy instead
+            return False
+        return True
 
     def log_table(self, table: Mapping[str, list[Any]], artifact_file: str) -> None:
         self._call("log the table", self.client.log_table, self.run_id, data=dict(table), artifact_file=artifact_file)
@@ -186,6 +214,9 @@ class MlflowTracker(Tracker):
         return f"mlflow ui --backend-store-uri {self.uri}  (run {self.run_id})"
 
 
+LINKABLE = (".safetensors",)
+"""Files written once under a new name and renamed into place (``os.replace``): a hard link to them never
+changes when a later run writes the same name. (Reports are rewritten in place: they are copied.)"""
 LOCKED_RETRIES = 10
 
 

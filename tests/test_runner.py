@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -136,6 +137,10 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
     )
     shard = load_file(artifacts / "candidate" / "tensors-00000.safetensors")
     assert len(shard) == len(downloaded.files)
+    # One copy on disk: the local artifact store holds a hard link to the run directory's shard, not a copy.
+    stored = Path(urlparse(run_data.info.artifact_uri).path) / "candidate" / "tensors-00000.safetensors"
+    own = strict.directory / "candidate" / "tensors-00000.safetensors"
+    assert stored.stat().st_ino == own.stat().st_ino and own.stat().st_nlink == 2
     loose, _ = run_with(tmp_path, "candidate=bf16")
     assert loose.exit_code == EXIT_PASS
     assert loose.report.rows[0].floor is not None  # auto noise floor for a bf16 candidate
