@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from paritylab.cli import CONF_DIR, exit_code, exit_process, preflight, record
+from paritylab.cli import CONF_DIR, exit_code, exit_process, preflight, record, take_profile_flag
 from paritylab.config import register
 
 register()
@@ -21,12 +21,24 @@ def main(cfg: DictConfig) -> None:
 
 
 def entry() -> None:
-    """The ``paritylab`` console script (same as ``python -m paritylab``)."""
+    """The ``paritylab`` console script (same as ``python -m paritylab``). ``--profile[=FILE]`` (before the
+    overrides) writes a cProfile of the whole process to FILE (default ``paritylab.prof``)."""
     from paritylab.sweep import finish_sweep
 
+    profile = take_profile_flag(sys.argv)
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     preflight(sys.argv[1:])
     main()
-    exit_process(max(exit_code(), finish_sweep()))
+    code = max(exit_code(), finish_sweep())
+    if profile is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+        print(f"paritylab: profile written to {profile} (read it with: python -m pstats {profile})")
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,15 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def take_profile_flag(argv: list[str]) -> str | None:
+    """Remove ``--profile`` / ``--profile=FILE`` from ``argv`` (Hydra would refuse it); the file, or None."""
+    for index, arg in enumerate(argv):
+        if arg == "--profile" or arg.startswith("--profile="):
+            del argv[index]
+            return arg.partition("=")[2] or "paritylab.prof"
+    return None
+
+
 def preflight(argv: list[str]) -> None:
     """Compose the configuration once before Hydra runs, so a bad override or key exits 2 with one line.
 

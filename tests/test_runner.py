@@ -66,6 +66,7 @@ def test_default_run_end_to_end(tmp_path):
         seconds["build reference"], abs=1e-3
     )
     assert "paritylab: seconds: startup " in result.stdout
+
     history = client.get_metric_history(run_info.info.run_id, "divergence/rel_l2")
     report = json.loads((tmp_path / "hydra" / "report" / "report.json").read_text())
     compared = {row["index"]: row["metrics"]["rel_l2"] for row in report["rows"] if "rel_l2" in row["metrics"]}
@@ -105,6 +106,16 @@ def test_default_run_end_to_end(tmp_path):
     assert node["stats"]["mean"] == pytest.approx(local.tensor(local.call("lm_head#0").outputs).mean().item(), abs=1e-6)
     again = compare_traces(downloaded, Trace.load(artifacts / "candidate"))
     assert again.verdict == "inconclusive"  # the uploaded copy holds statistics only: never a plain PASS
+
+
+def test_profile_flag_writes_a_profile_of_the_whole_process(tmp_path):
+    result = app(tmp_path, "--profile", "tracking=off", "compare.replay=false")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "paritylab: profile written to paritylab.prof" in result.stdout
+    import pstats
+
+    stats = pstats.Stats(str(tmp_path / "paritylab.prof"))
+    assert any(name == "run" and "runner.py" in path for path, _, name in stats.stats)  # type: ignore[attr-defined]
 
 
 def test_port_matches_reference_logits_in_fp32():
