@@ -23,8 +23,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paritylab
-from paritylab.alignment import align
-from paritylab.tracefile import Trace
+from paritylab.comparison.alignment import align
+from paritylab.tracing.tracefile import Trace
 
 
 class Block(nn.Module):

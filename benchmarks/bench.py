@@ -33,7 +33,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 import paritylab  # noqa: E402
-from paritylab.references import llava  # noqa: E402
+from paritylab.run.references import llava  # noqa: E402
 
 TEXT_TOKENS = 64
 
@@ -156,7 +156,7 @@ def comparison_throughput(model: torch.nn.Module, inputs: dict[str, torch.Tensor
     """GB of tensor data (both sides) compared per second, for two full traces of the same model;
     also returns the report (its metrics are what a llava-bench run logs)."""
     from paritylab import Trace
-    from paritylab.comparison import compare_traces
+    from paritylab.comparison.report import compare_traces
 
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-compare-"))
     try:
@@ -184,8 +184,8 @@ def comparison_throughput(model: torch.nn.Module, inputs: dict[str, torch.Tensor
 
 def logging_time(report: Any) -> dict[str, float]:
     """Seconds to log every metric of a llava-bench comparison to a fresh default (SQLite) store."""
-    from paritylab.runner import report_metrics
-    from paritylab.tracking import MlflowTracker
+    from paritylab.run.runner import report_metrics
+    from paritylab.sink.tracking import MlflowTracker
 
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-log-"))
     cwd = Path.cwd()

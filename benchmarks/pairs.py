@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, trace_model
 from tests.pairs import KINDS, PAIRS, planted, transformer_lens_available
 
 

@@ -33,11 +33,11 @@ from benchmarks.bench import BENCH_SIZE, QUICK_SIZE  # noqa: E402
 FLOOR = """
 import sys, time, torch
 sys.path.insert(0, {repository!r})
-from paritylab.cli import compose
-from paritylab.candidates import build_candidate
-from paritylab.inputs import build_inputs
+from paritylab.cli.app import compose
+from paritylab.run.candidates import build_candidate
+from paritylab.run.inputs import build_inputs
 cfg = compose({overrides!r})
-from paritylab.candidates import instantiate
+from paritylab.run.candidates import instantiate
 torch.manual_seed(0)
 reference = instantiate("model.build", cfg.model.build)
 inputs = build_inputs(cfg.inputs, cfg.model.family, reference, None)

@@ -7,15 +7,15 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from paritylab.cli import CONF_DIR, exit_code, exit_process, preflight, record, take_profile_flag
-from paritylab.config import register
+from paritylab.cli.app import CONF_DIR, exit_code, exit_process, preflight, record, take_profile_flag
+from paritylab.run.config import register
 
 register()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from paritylab.runner import run
+    from paritylab.run.runner import run
 
     record(run(cfg).exit_code)
 
@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
 def entry() -> None:
     """The ``paritylab`` console script (same as ``python -m paritylab``). ``--profile[=FILE]`` (before the
     overrides) writes a cProfile of the whole process to FILE (default ``paritylab.prof``)."""
-    from paritylab.sweep import finish_sweep
+    from paritylab.sink.sweep import finish_sweep
 
     profile = take_profile_flag(sys.argv)
     if profile is not None:

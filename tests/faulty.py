@@ -33,7 +33,7 @@ def raising_port(reference: nn.Module, module: str) -> nn.Module:
 
 def raising_reference(module: str, **build: Any) -> nn.Module:
     """The configured transformers LLaVA, with ``module`` raising during the forward."""
-    from paritylab.references import llava
+    from paritylab.run.references import llava
 
     model = llava(**build)
 

@@ -148,7 +148,7 @@ def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
 def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     """transformers LlavaForConditionalGeneration against our from-scratch port (positional forward)."""
     from experiments.llava_port import from_reference
-    from paritylab.references import llava
+    from paritylab.run.references import llava
     from tests.helpers import llava_inputs
 
     reference = llava()

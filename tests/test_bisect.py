@@ -1,4 +1,4 @@
-"""paritylab.bisect over a small generated git repository whose third of five commits breaks parity."""
+"""paritylab.cli.bisect over a small generated git repository whose third of five commits breaks parity."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_bisect_names_the_commit_that_broke_parity(tmp_path):
         commits.append(git(repo, "rev-parse", "HEAD"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = subprocess.run(
-        [sys.executable, "-m", "paritylab.bisect", "--repo", str(repo), "--good", commits[0], "--bad", commits[-1],
+        [sys.executable, "-m", "paritylab.cli.bisect", "--repo", str(repo), "--good", commits[0], "--bad", commits[-1],
          "--tracking-uri", uri, "--output", str(tmp_path / "bisect"), "--",
          "model=llava", "candidate=port", "candidate.ports.llava.build._target_=nightly_port.build",
          "compare.replay=false"],
@@ -73,7 +73,7 @@ def test_bisect_refuses_a_dirty_tree_in_one_line(tmp_path):
     git(repo, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "a")
     (repo / "a.py").write_text("x = 2\n")
     result = subprocess.run(
-        [sys.executable, "-m", "paritylab.bisect", "--repo", str(repo), "--good", "HEAD", "--bad", "HEAD"],
+        [sys.executable, "-m", "paritylab.cli.bisect", "--repo", str(repo), "--good", "HEAD", "--bad", "HEAD"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 2 and "has uncommitted changes" in result.stderr

@@ -1,4 +1,4 @@
-"""``python -m paritylab.compare`` on trace directories, including ones written by transformers' debugger."""
+"""``python -m paritylab.cli.compare`` on trace directories, including ones written by transformers' debugger."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def debugger_trace(model, directory):
 
 def compare(*args):
     return subprocess.run(
-        [sys.executable, "-m", "paritylab.compare", *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "paritylab.cli.compare", *map(str, args)], capture_output=True, text=True, timeout=120
     )
 
 

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from experiments.llava_port import ALIGNMENT, from_reference
-from paritylab.alignment import AlignmentError, Part, Rule, align, load_rules, parse_rules
-from paritylab.comparison import compare_traces, noise_floor
-from paritylab.metrics import Tolerance, Tolerances, divergence, within
-from paritylab.references import llava
-from paritylab.replay import attach_replay, isolated_replay
-from paritylab.reporting import headline
-from paritylab.weights import weight_parity
+from paritylab.comparison.alignment import AlignmentError, Part, Rule, align, load_rules, parse_rules
+from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, within
+from paritylab.comparison.replay import attach_replay, isolated_replay
+from paritylab.comparison.report import compare_traces, noise_floor
+from paritylab.reports.render import headline
+from paritylab.run.references import llava
+from paritylab.run.weights import weight_parity
 from tests.helpers import llava_inputs, planted, traced
 from tests.tiny import tiny_llama, token_ids
 
@@ -193,7 +193,7 @@ def test_port_bug_is_localised_across_implementations(tmp_path):
 
 def test_weight_parity_reports_mismatches_and_unmapped(tmp_path):
     from experiments.llava_port import WEIGHT_MAP
-    from paritylab.weights import load_weight_map
+    from paritylab.run.weights import load_weight_map
 
     reference = llava()
     port = from_reference(reference)
@@ -210,7 +210,7 @@ def test_weight_parity_reports_mismatches_and_unmapped(tmp_path):
 
 
 def test_max_abs_difference_spans_chunks_and_keeps_nan():
-    from paritylab.weights import max_abs_difference
+    from paritylab.run.weights import max_abs_difference
 
     first = torch.zeros(3 << 20)
     second = first.clone()
@@ -305,7 +305,7 @@ def test_stats_only_traces_are_inconclusive_never_a_pass(tmp_path):
 
 
 def test_empty_traces_are_inconclusive(tmp_path):
-    from paritylab.tracefile import Trace
+    from paritylab.tracing.tracefile import Trace
 
     report = compare_traces(Trace(), Trace())
     assert report.verdict == "inconclusive" and headline(report).startswith("INCONCLUSIVE: no aligned module")

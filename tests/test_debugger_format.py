@@ -10,7 +10,7 @@ from transformers.model_debugging_utils import model_addition_debugger_context
 
 import paritylab
 from paritylab import Trace, TraceFormatError
-from paritylab.debugger_format import OVERWRITTEN
+from paritylab.tracing.debugger_format import OVERWRITTEN
 from tests.tiny import tiny_llama, token_ids
 
 

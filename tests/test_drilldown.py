@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paritylab.drilldown import drill_down, drill_into, record_call
+from paritylab.comparison.drilldown import drill_down, drill_into, record_call
 
 DIM, HEADS = 32, 4
 

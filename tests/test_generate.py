@@ -9,13 +9,13 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from paritylab.candidates import build_candidate
-from paritylab.cli import compose
-from paritylab.config import ConfigError
-from paritylab.generate import generate_parity
-from paritylab.inputs import build_inputs
-from paritylab.runner import EXIT_FAIL
-from paritylab.workload import infer_call
+from paritylab.cli.app import compose
+from paritylab.run.candidates import build_candidate
+from paritylab.run.config import ConfigError
+from paritylab.run.generate import generate_parity
+from paritylab.run.inputs import build_inputs
+from paritylab.run.runner import EXIT_FAIL
+from paritylab.run.workload import infer_call
 from tests.faulty import decode_bug_port
 from tests.test_runner import run_with
 
@@ -23,7 +23,7 @@ from tests.test_runner import run_with
 @pytest.fixture(scope="module")
 def setting():
     cfg = compose([])
-    from paritylab.references import llava
+    from paritylab.run.references import llava
 
     reference = llava().eval()
     inputs = build_inputs(cfg.inputs, "llava", reference, None)

@@ -12,8 +12,8 @@ import pytest
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
-from paritylab.history import FINGERPRINT, assess, find_baseline, layer_errors, pair_fingerprint, promote
-from paritylab.tracking import metric_key
+from paritylab.sink.history import FINGERPRINT, assess, find_baseline, layer_errors, pair_fingerprint, promote
+from paritylab.sink.tracking import metric_key
 from tests.helpers import migrated_store
 
 
@@ -78,7 +78,7 @@ def test_promote_refuses_what_cannot_be_a_baseline_unless_forced(store):
     assert client.get_run(failing).data.tags["paritylab.baseline"] == "superseded"
     killed = next(r for r, why in refusals.items() if "KILLED" in why)
     result = subprocess.run(
-        [sys.executable, "-m", "paritylab.promote", killed, "--tracking-uri", uri],
+        [sys.executable, "-m", "paritylab.cli.promote", killed, "--tracking-uri", uri],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "cannot be a baseline: it did not finish (status KILLED)" in result.stderr

@@ -51,7 +51,8 @@ def test_installed_wheel_runs_the_main_command_from_an_empty_directory(wheel, tm
     )  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(target)}
     where = subprocess.run(
-        [sys.executable, "-c", "import paritylab, paritylab.config as c; print(paritylab.__file__); print(c.CONF_DIR)"],
+        [sys.executable, "-c", "import paritylab, paritylab.run.config as c\nprint(paritylab.__file__)\n"
+         "print(c.CONF_DIR)"],
         cwd=empty, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert all(line.startswith(str(target)) for line in where.stdout.split())  # not the checkout

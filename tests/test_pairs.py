@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paritylab.parity import compare_and_replay, estimate_floors, low_precision, trace_model
-from paritylab.tracefile import Trace
+from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from paritylab.tracing.tracefile import Trace
 from tests.pairs import PAIRS, planted, transformer_lens_available, unavailable
 
 _MISSING = transformer_lens_available()
@@ -203,8 +203,8 @@ DRILLED = {
 
 def _drill(case, reference_trace, report, tmp_path):
     """The drill-down as the runner runs it: the candidate teacher-forced up to the named call."""
-    from paritylab.drilldown import drill_into
-    from paritylab.replay import teacher_forcing
+    from paritylab.comparison.drilldown import drill_into
+    from paritylab.comparison.replay import teacher_forcing
 
     first = report.first_divergence
     candidate_trace = Trace.load(tmp_path / "buggy" / "candidate")
@@ -220,8 +220,8 @@ def _drill(case, reference_trace, report, tmp_path):
 def test_a_frozen_alignment_is_reused_and_a_lost_pair_is_a_finding(tmp_path):
     """report/alignment.yaml of one run, pinned in the next: the same pairs (fused parts included); when the
     candidate's structure changes, the pinned pair whose call is gone fails its row instead of re-pairing."""
-    from paritylab.alignment import load_rules
-    from paritylab.comparison import compare_traces
+    from paritylab.comparison.alignment import load_rules
+    from paritylab.comparison.report import compare_traces
 
     case = PAIRS["llama"](torch.float32)
     reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")

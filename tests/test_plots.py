@@ -1,7 +1,7 @@
 import re
 import xml.etree.ElementTree as ElementTree
 
-from paritylab.plots import heatmap, line_chart
+from paritylab.reports.plots import heatmap, line_chart
 
 
 def test_line_chart_places_points_on_a_log_scale_and_escapes_labels():

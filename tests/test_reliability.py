@@ -21,12 +21,12 @@ from torch import nn
 
 import paritylab
 from paritylab import Trace, TraceFormatError
-from paritylab.cli import compose
-from paritylab.comparison import compare_traces
-from paritylab.reporting import to_html
-from paritylab.runner import run
-from paritylab.storage import StorageError, TensorReader
-from paritylab.tracking import TrackingError, metric_key
+from paritylab.cli.app import compose
+from paritylab.comparison.report import compare_traces
+from paritylab.reports.render import to_html
+from paritylab.run.runner import run
+from paritylab.sink.tracking import TrackingError, metric_key
+from paritylab.tracing.storage import StorageError, TensorReader
 from tests.helpers import migrated_store, parity_runs, traced
 from tests.test_runner import app, run_with
 
@@ -109,12 +109,12 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     elapsed = time.monotonic() - started
     assert result.returncode == 2
     assert elapsed < 60
-    assert "failed to" in result.stdout and "python -m paritylab.upload" in result.stdout
+    assert "failed to" in result.stdout and "paritylab-upload " in result.stdout
     directory = tmp_path / "hydra"
     assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
     store = f"sqlite:///{tmp_path / 'later.db'}"
     upload = subprocess.run(
-        [sys.executable, "-m", "paritylab.upload", str(directory), "--tracking-uri", store],
+        [sys.executable, "-m", "paritylab.cli.upload", str(directory), "--tracking-uri", store],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert upload.returncode == 0, upload.stderr
@@ -124,14 +124,14 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert run.data.tags["paritylab.uploaded_from"] == str(directory)
     assert run.data.metrics["summary/failing_modules"] == 0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
-    from paritylab.upload import upload
+    from paritylab.sink.publish import upload
 
     assert upload(directory, store) == (run.info.run_id, True)  # again (in process: the CLI ran above)
     assert [r.info.run_id for r in parity_runs(client)] == [run.info.run_id]  # idempotent: still one run
 
 
 def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
-    from paritylab.tracking import MlflowTracker
+    from paritylab.sink.tracking import MlflowTracker
 
     def broken(self, metrics):
         raise TrackingError("MLflow at test failed to log metrics: connection reset")
@@ -143,7 +143,7 @@ def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
     record = json.loads((result.directory / "tracking.json").read_text())
     assert record["tags"]["paritylab.verdict"] == "pass" and len(record["metrics"]) > 20
     monkeypatch.undo()
-    from paritylab.upload import upload
+    from paritylab.sink.publish import upload
 
     run_id, already = upload(result.directory)  # the store works again: the orphan is finished, not duplicated
     assert run_id == result.run_id and not already
@@ -156,8 +156,8 @@ def test_a_signal_while_publishing_keeps_the_run_and_closes_it_killed(tmp_path, 
     """SIGTERM or Ctrl-C after the verdict, while the run is being published (for real models, gigabytes):
     no traceback, exit 130, the MLflow run KILLED (never RUNNING), run.json and tracking.json kept; the upload
     later finishes that same run."""
-    import paritylab.runner as runner_module
-    from paritylab.publish import publish as real_publish
+    import paritylab.run.runner as runner_module
+    from paritylab.sink.publish import publish as real_publish
 
     def interrupted(tracker, record, directory):
         tracker.log_metrics(record.metrics[:5])  # part of it got through
@@ -172,7 +172,7 @@ def test_a_signal_while_publishing_keeps_the_run_and_closes_it_killed(tmp_path, 
     record = json.loads((result.directory / "tracking.json").read_text())
     assert record["tags"]["paritylab.verdict"] == "pass" and record["status"] == "FINISHED"
     monkeypatch.setattr(runner_module, "publish", real_publish)
-    from paritylab.upload import upload
+    from paritylab.sink.publish import upload
 
     assert upload(result.directory) == (result.run_id, False)
     finished = client.get_run(result.run_id)
@@ -184,7 +184,7 @@ def test_a_full_disk_while_finishing_fails_the_run_in_one_line_and_never_leaves_
     run FAILED (not RUNNING), the verdict still printed."""
     import errno
 
-    from paritylab.publish import RunRecord
+    from paritylab.sink.publish import RunRecord
 
     def full(self, directory):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -301,7 +301,7 @@ def copy_trace(source: Path, target: Path) -> Path:
 
 def compare_cli(reference: Path, candidate: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "paritylab.compare", str(reference), str(candidate)],
+        [sys.executable, "-m", "paritylab.cli.compare", str(reference), str(candidate)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -438,8 +438,8 @@ def test_odd_module_names_get_safe_files_valid_keys_and_escaped_html(tmp_path):
 
 
 def test_metric_key_map_is_written_for_renamed_keys(tmp_path):
-    from paritylab.runner import _write_key_map
-    from paritylab.tracking import Metric
+    from paritylab.run.runner import _write_key_map
+    from paritylab.sink.tracking import Metric
 
     names = ["layer/blocks.ü.0/rel_l2", "layer/a<b/rel_l2", "layer/a>b/rel_l2"]
     _write_key_map(tmp_path, [*(Metric(name, 1.0) for name in names), Metric("layer/blocks.0/rel_l2", 1.0)])
@@ -502,9 +502,9 @@ def test_output_dir_under_a_file_is_one_line(tmp_path):
 
 
 def test_names_with_control_characters_are_escaped_on_the_terminal_and_html_in_markdown():
-    from paritylab.comparison import Row, Side
-    from paritylab.reporting import _cells, _md_escape
-    from paritylab.tracefile import display_path
+    from paritylab.comparison.report import Row, Side
+    from paritylab.reports.render import _cells, _md_escape
+    from paritylab.tracing.tracefile import display_path
 
     assert display_path("evil\r\x1b[2Kname") == "evil\\r\\x1b[2Kname"
     row = Row(0, "a\x1b[31m", Side("a\x1b[31m#0"), Side("b\r#0"), "compared", "pass")
@@ -514,7 +514,7 @@ def test_names_with_control_characters_are_escaped_on_the_terminal_and_html_in_m
 
 def _compare_cli(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "paritylab.compare", *map(str, args)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "paritylab.cli.compare", *map(str, args)], capture_output=True, text=True, timeout=60
     )
 
 
@@ -542,7 +542,7 @@ def test_hostile_trace_directories_are_refused_in_one_line(good_trace, tmp_path,
 
 
 def test_upload_never_follows_a_symlink_out_of_the_run_directory(tmp_path):
-    from paritylab.upload import main as upload_main
+    from paritylab.cli.upload import main as upload_main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

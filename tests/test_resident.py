@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from paritylab.resident import offload
+from paritylab.run.resident import offload
 from tests.faulty import scaled_port
 from tests.test_runner import run_with
 
@@ -84,7 +84,7 @@ def test_offload_leaves_tensor_subclasses_and_complex_tensors_in_memory(tmp_path
 def test_offload_returns_the_weights_memory_to_the_os(tmp_path):
     probe = textwrap.dedent(f"""
         import torch
-        from paritylab.resident import offload, release_freed_memory
+        from paritylab.run.resident import offload, release_freed_memory
         anon = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) * 1024
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(48)])  # 192 MiB
         before = anon()
@@ -125,7 +125,7 @@ def test_resident_one_maps_the_reference_before_the_candidate_and_changes_no_res
 def test_offload_on_a_full_disk_raises_and_leaves_the_model_untouched(tmp_path, monkeypatch):
     import errno
 
-    import paritylab.storage as storage
+    import paritylab.tracing.storage as storage
 
     def full_disk(handle, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -141,7 +141,7 @@ def test_offload_on_a_full_disk_raises_and_leaves_the_model_untouched(tmp_path, 
 def test_converted_copy_equals_deepcopy_then_cast_and_keeps_ties():
     import copy
 
-    from paritylab.resident import converted_copy
+    from paritylab.run.resident import converted_copy
 
     torch.manual_seed(0)
     model = Tied().eval()
@@ -156,12 +156,12 @@ def test_converted_copy_equals_deepcopy_then_cast_and_keeps_ties():
 
 
 def test_run_goes_on_with_the_model_in_memory_when_its_weights_cannot_be_moved(tmp_path, monkeypatch):
-    import paritylab.runner
+    import paritylab.run.runner
 
     def full_disk(model, directory):
         raise OSError(f"could not move the model's weights to {directory}: disk error: No space left on device")
 
-    monkeypatch.setattr(paritylab.runner, "offload", full_disk)
+    monkeypatch.setattr(paritylab.run.runner, "offload", full_disk)
     result, _ = run_with(tmp_path, "resident=one", "compare.replay=false")
     assert result.exit_code == 0 and result.report.passed
     assert any(n.startswith("resident=one: reference weights kept in memory: could not move") for n in result.notes)

@@ -16,9 +16,9 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from paritylab import Trace
-from paritylab.cli import compose, preflight
-from paritylab.comparison import compare_traces
-from paritylab.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
+from paritylab.cli.app import compose, preflight
+from paritylab.comparison.report import compare_traces
+from paritylab.run.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import migrated_store, parity_runs
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_profile_flag_writes_a_profile_of_the_whole_process(tmp_path):
 
 def test_port_matches_reference_logits_in_fp32():
     from experiments.llava_port import from_reference
-    from paritylab.references import llava
+    from paritylab.run.references import llava
     from tests.helpers import llava_inputs
 
     reference = llava(seed=5)
@@ -265,7 +265,7 @@ def test_pretrained_checkpoint_with_its_processor_and_image(tmp_path):
     assert kwargs["pixel_values"]["shape"] == [1, 3, 28, 28]
     ids = reference.tensor(kwargs["input_ids"])
     assert int((ids == 127).sum()) == 4  # the processor expanded <image> into the image's tokens
-    from paritylab.references import llava  # the weights come from the checkpoint, not from a seed
+    from paritylab.run.references import llava  # the weights come from the checkpoint, not from a seed
 
     loaded = llava(pretrained=str(checkpoint))
     assert torch.equal(loaded.lm_head.weight, llava(seed=11).lm_head.weight)

@@ -13,7 +13,7 @@ from torch import nn
 
 import paritylab
 from paritylab import Trace
-from paritylab.storage import TensorStore
+from paritylab.tracing.storage import TensorStore
 
 
 class Chain(nn.Module):
@@ -142,14 +142,14 @@ def test_tensors_are_streamed_during_the_forward(tmp_path):
     model = nn.Sequential(nn.Linear(64, 64), Probe())
     x = torch.randn(16, 64)
     options = paritylab.TraceOptions(save_tensors=True, pending_bytes=0)
-    with paritylab.tracing.Tracer(model, tmp_path, options):
+    with paritylab.tracing.tracer.Tracer(model, tmp_path, options):
         model(x)
     hidden = model[0](x).detach()
     assert seen == [x.numpy().tobytes() + hidden.numpy().tobytes()]  # input and first output already on disk
 
 
 def test_disk_error_keeps_whole_tensors_and_leaves_no_corrupt_file(tmp_path, monkeypatch):
-    import paritylab.storage as storage
+    import paritylab.tracing.storage as storage
 
     writes = {"n": 0}
     real_write_all = storage._write_all
@@ -188,7 +188,7 @@ def test_store_reports_unsupported_dtype(tmp_path):
 def test_tensor_changed_in_place_before_its_write_is_not_stored_wrong(tmp_path, monkeypatch):
     import threading
 
-    import paritylab.storage as storage
+    import paritylab.tracing.storage as storage
 
     release = threading.Event()
     real_write_all = storage._write_all
@@ -215,7 +215,7 @@ def test_tensor_changed_in_place_before_its_write_is_not_stored_wrong(tmp_path, 
 
 def test_host_copy_path_for_device_tensors_writes_the_same_bytes(tmp_path):
     """The accelerator path (asynchronous copy into host memory, written by the writer thread) on CPU."""
-    from paritylab.storage import _device_to_host
+    from paritylab.tracing.storage import _device_to_host
 
     tensors = {f"x{i}": torch.randn(64, 33) * i for i in range(5)}
     store = TensorStore(tmp_path, pending_bytes=1 << 20)

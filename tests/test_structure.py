@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paritylab.structure import MASK, fingerprint, inner_digests, restrict_to_called
+from paritylab.tracing.structure import MASK, fingerprint, inner_digests, restrict_to_called
 
 
 class Fused(nn.Module):

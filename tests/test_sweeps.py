@@ -77,7 +77,7 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     client = MlflowClient(mlflow_server)
     (golden,) = parity_runs_named(client, experiment)
     promoted = subprocess.run(
-        [sys.executable, "-m", "paritylab.promote", golden.info.run_id, "--tracking-uri", mlflow_server],
+        [sys.executable, "-m", "paritylab.cli.promote", golden.info.run_id, "--tracking-uri", mlflow_server],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert promoted.returncode == 0, promoted.stderr
@@ -127,7 +127,7 @@ def parity_runs_named(client: MlflowClient, experiment: str) -> list:
 
 
 def test_regression_rule_is_a_factor_plus_a_floor():
-    from paritylab.history import assess
+    from paritylab.sink.history import assess
 
     baseline = {"a": 1e-8, "b": 1e-3, "c": 1e-3}
     result = assess({"a": 5e-7, "b": 3e-3, "c": 1e-4, "new": 1.0}, baseline, factor=2.0, floor=1e-6)
@@ -140,7 +140,7 @@ def test_regression_rule_is_a_factor_plus_a_floor():
 def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     import socket
 
-    from paritylab.sweep import close_stale_runs, process_start
+    from paritylab.sink.sweep import close_stale_runs, process_start
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'stale.db'}")
     experiment = client.create_experiment("stale")
@@ -181,8 +181,8 @@ def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
     assert running, "the victim never started its run"
     victim.kill()
     victim.wait()
-    from paritylab.cli import compose
-    from paritylab.runner import run
+    from paritylab.cli.app import compose
+    from paritylab.run.runner import run
 
     said: list[str] = []
     cfg = compose(["model=llama", "candidate=sdpa", "compare.replay=false", f"tracking.uri={store}"])

@@ -11,7 +11,7 @@ from torch import nn
 
 import paritylab
 from paritylab import CaptureSpec, Trace
-from paritylab.stats import STAT_NAMES
+from paritylab.tracing.stats import STAT_NAMES
 from tests.helpers import traced
 
 
@@ -353,7 +353,7 @@ def test_round_trip_save_load(tmp_path):
 
 def test_device_stats_path_agrees_with_the_cpu_path():
     """The accelerator path (stats kept on the device, fetched once per batch) run on CPU tensors."""
-    from paritylab.stats import StatsBatch, cpu_stats, device_stats, stats_dict
+    from paritylab.tracing.stats import StatsBatch, cpu_stats, device_stats, stats_dict
 
     torch.manual_seed(0)
     finite = torch.randn(3, 1000) * 5 + 2
@@ -386,7 +386,7 @@ def test_identity_calls_and_dataflow_links(tmp_path):
     assert calls["same"].identity and calls["drop"].identity  # returned their input unchanged
     assert not calls["relu"].identity  # returned its input, but modified in place
     assert not calls["first"].identity and not calls["last"].identity
-    from paritylab.values import iter_tensors
+    from paritylab.tracing.values import iter_tensors
 
     def producer(path: str) -> int | None:
         return next(node for _, node in iter_tensors(calls[path].inputs, "inputs")).get("from")

@@ -9,10 +9,10 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from paritylab.cli import compose
-from paritylab.config import ConfigError
-from paritylab.runner import run
-from paritylab.workload import infer_call, synthetic_inputs
+from paritylab.cli.app import compose
+from paritylab.run.config import ConfigError
+from paritylab.run.runner import run
+from paritylab.run.workload import infer_call, synthetic_inputs
 from tests.pairs import transformer_lens_available
 
 IDS = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
@@ -61,7 +61,7 @@ def test_a_mapping_that_does_not_fit_is_one_line_naming_the_parameter_and_the_fi
 
 
 def test_synthetic_inputs_follow_the_forward_text_and_vision_only():
-    from paritylab.references import clip_vision, llama
+    from paritylab.run.references import clip_vision, llama
 
     generator = torch.Generator().manual_seed(0)
     vision = synthetic_inputs(clip_vision(), 2, 5, generator)

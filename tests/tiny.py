@@ -35,7 +35,7 @@ def save_tiny_llava_checkpoint(directory) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
-    from paritylab.references import llava
+    from paritylab.run.references import llava
 
     model = llava(seed=11)
     config = model.config

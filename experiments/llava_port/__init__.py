@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
-from paritylab.weights import load_mapped, load_weight_map
+from paritylab.run.weights import load_mapped, load_weight_map
 
 from .model import LlavaPort, PortConfig, TextConfig, VisionConfig
 

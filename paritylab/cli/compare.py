@@ -1,0 +1,60 @@
+"""Offline comparison of two trace directories (paritylab's or transformers' debugger's).
+
+    paritylab-compare REFERENCE_TRACE_DIR CANDIDATE_TRACE_DIR [--align rules.yaml] [--atol A --rtol R]
+
+Exit code 0 when parity holds, 1 when it does not, 2 on bad input (with a one-line reason on stderr), 3 when
+nothing failed but some aligned output could not be compared by value (inconclusive: never a pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from paritylab.comparison.alignment import AlignmentError, load_rules
+from paritylab.comparison.metrics import Tolerances
+from paritylab.comparison.report import compare_traces
+from paritylab.reports.render import to_console, to_json, to_markdown
+from paritylab.tracing.storage import StorageError
+from paritylab.tracing.tracefile import Trace, TraceFormatError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paritylab-compare",
+        description="Compare a candidate trace against a reference trace, module by module.",
+    )
+    parser.add_argument("reference", type=Path, help="reference trace directory")
+    parser.add_argument("candidate", type=Path, help="candidate trace directory")
+    parser.add_argument("--align", type=Path, help="alignment rules YAML (reference pattern -> candidate pattern)")
+    parser.add_argument("--atol", type=float, help="absolute tolerance (default: assert_close's per dtype)")
+    parser.add_argument("--rtol", type=float, help="relative tolerance (default: assert_close's per dtype)")
+    parser.add_argument("--json", type=Path, help="write the full report as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the report as markdown here")
+    parser.add_argument("--write-alignment", type=Path, help="write the alignment used as rules YAML here")
+    parser.add_argument("--all-rows", action="store_true", help="print every row, not only the interesting ones")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rules = load_rules(args.align) if args.align else []
+        reference = Trace.load(args.reference)
+        candidate = Trace.load(args.candidate)
+        report = compare_traces(reference, candidate, rules=rules, tolerances=Tolerances(args.rtol, args.atol))
+    except (TraceFormatError, StorageError, AlignmentError, ValueError, OSError) as error:
+        print(f"paritylab-compare: {error}", file=sys.stderr)
+        return 2
+    print(to_console(report, limit=None if args.all_rows else 60))
+    for path, text in ((args.json, to_json), (args.markdown, to_markdown)):
+        if path is not None:
+            path.write_text(text(report), encoding="utf-8")
+    if args.write_alignment is not None:
+        args.write_alignment.write_text(report.alignment.to_yaml(), encoding="utf-8")
+    return {"pass": 0, "fail": 1, "error": 2, "inconclusive": 3}[report.verdict]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

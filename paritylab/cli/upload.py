@@ -1,0 +1,35 @@
+"""Publish a run directory to MLflow later (the server was unreachable, or failed mid-run).
+
+paritylab-upload RUN_DIR [--tracking-uri URI] [--experiment NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from paritylab.sink.publish import upload
+from paritylab.sink.tracking import TrackingError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paritylab-upload", description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="a run directory (it holds tracking.json)")
+    parser.add_argument("--tracking-uri", help="default: the run's own, else MLFLOW_TRACKING_URI, else sqlite")
+    parser.add_argument("--experiment")
+    args = parser.parse_args(argv)
+    try:
+        run_id, already = upload(args.directory, args.tracking_uri, args.experiment)
+    except (ValueError, TrackingError) as error:
+        print(f"paritylab-upload: {error}", file=sys.stderr)
+        return 2
+    if already:
+        print(f"paritylab-upload: {args.directory} is already published as run {run_id}; nothing to do")
+    else:
+        print(f"paritylab-upload: published {args.directory} as run {run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

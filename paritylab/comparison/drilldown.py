@@ -1,0 +1,644 @@
+"""Operation-level drill-down: inside the module named as the origin, the first operation whose output diverges.
+
+Both sides run again with one call of that module recorded operation by operation (a ``TorchFunctionMode``
+sees every ``torch`` function and tensor method the module's code calls, in its children too): the reference
+as it ran, the candidate teacher-forced (every aligned call upstream returns the reference's value, see
+:func:`paritylab.comparison.replay.teacher_forcing`), so both start from the same inputs.
+
+Every tensor the candidate's call touched (its inputs, parameters and buffers, every operation's outputs) is
+then looked up among the values the reference's call touched, in any position and, at full precision, in any
+layout (a ``[batch, heads, tokens, dim]`` query matches a ``[batch, tokens, heads * dim]`` one). A value with no
+match is not an error by itself: implementations differ in intermediates (a fused qkv projection, a softmax
+inside ``scaled_dot_product_attention``). It is one when nothing computed from it matches again. The culprit is
+the earliest such value whose operation's inputs are all clean: the first operation (or parameter, or buffer)
+where the candidate's computation leaves the reference's for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+MAX_OPS = 20_000
+"""Operations recorded per side; beyond this the drill-down stops recording values (and says so)."""
+MAX_BYTES = 512 * 2**20
+"""Tensor bytes kept per side (copies of every value the call produced)."""
+_TOLERANCE = {"float64": (1e-9, 1e-5), "float32": (1e-6, 1e-4), "bfloat16": (1e-2, 3e-2), "float16": (2e-3, 5e-3)}
+"""Per candidate dtype, the (smallest, largest) relative L2 distance under which two values are one value. The
+tolerance used lies between them: an eighth of the module's own error, so a small error is still seen."""
+_MOVES = frozenset(
+    {"view", "reshape", "transpose", "permute", "contiguous", "expand", "expand_as", "unsqueeze", "squeeze"}
+    | {"flatten", "unflatten", "t", "narrow", "select", "__getitem__", "split", "chunk", "unbind", "clone", "detach"}
+    | {"movedim", "swapaxes", "repeat", "to", "type_as", "float", "dropout"}
+)
+"""Operations that move values without computing new ones (named as culprits only if nothing else is)."""
+
+
+@dataclass
+class Value:
+    """One tensor the recorded call touched."""
+
+    index: int
+    origin: str
+    """Where it came from: ``input <slot>``, ``parameter <name>``, ``buffer <name>``, ``op <n>``, ``forced <child>``
+    (a child's output replaced by the reference's, teacher forcing) or ``from <module>`` (made outside any
+    recorded operation, such as a tensor attribute)."""
+    shape: list[int]
+    dtype: str
+    op: int | None = None
+    """The operation that produced it (``None``: it came from outside the call)."""
+    match: int | None = None
+    """Candidate side: the reference value it equals (within tolerance)."""
+    distance: float | None = None
+    """Candidate side: relative L2 distance to the nearest reference value of its size."""
+    layout: bool = False
+    """Matched only with its elements in another order (a transpose, a head split)."""
+
+
+@dataclass
+class Op:
+    """One recorded operation."""
+
+    index: int
+    name: str
+    module: str
+    """Innermost module running it, relative to the recorded module (``""``: the module itself)."""
+    arguments: str
+    """Its arguments as ``name(tensor[2, 4], 0.125, eps=1e-05)``, tensors by value index."""
+    scalars: list[str]
+    inputs: list[int]
+    outputs: list[int]
+
+
+@dataclass
+class Recording:
+    """One side's recorded call."""
+
+    key: str
+    ops: list[Op] = field(default_factory=list)
+    values: list[Value] = field(default_factory=list)
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    """The values the call returned."""
+    truncated: str | None = None
+    called: bool = False
+
+
+@dataclass
+class Drilldown:
+    """Where the candidate's computation leaves the reference's, inside one module call."""
+
+    reference: str
+    candidate: str
+    tolerance: float
+    value: Value | None
+    """The candidate value where it leaves (``None``: no operation differs beyond the tolerance)."""
+    operations: list[Op]
+    """The candidate operations from there to the first value the reference also forms (the first is the
+    culprit); empty when the culprit is a parameter, buffer or other value from outside the call."""
+    counterparts: list[Op]
+    """The reference operations doing the same job (consuming the same inputs)."""
+    distance: float | None
+    """Relative L2 distance between the two sides' results of that stretch."""
+    message: str
+    reference_ops: int
+    candidate_ops: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def culprit(self) -> Op | None:
+        return self.operations[0] if self.operations else None
+
+    @property
+    def operation(self) -> str:
+        """A short name for tags and tables: ``mlp.act: gelu``, ``ln_2: mean .. add (9 operations)``."""
+        if self.value is None:
+            return "none"
+        if self.value.op is None or not self.operations:  # a parameter, buffer or tensor attribute
+            return self.value.origin
+        first, last = self.operations[0], self.operations[-1]
+        where = f"{first.module}: " if first.module else ""
+        if len(self.operations) == 1:
+            return f"{where}{first.name}"
+        return f"{where}{first.name} .. {last.name} ({len(self.operations)} operations)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "operation": self.operation,
+            "message": self.message,
+            "tolerance": self.tolerance,
+            "distance": self.distance,
+            "value": asdict(self.value) if self.value else None,
+            "operations": [asdict(op) for op in self.operations],
+            "counterparts": [asdict(op) for op in self.counterparts],
+            "reference_ops": self.reference_ops,
+            "candidate_ops": self.candidate_ops,
+            "notes": self.notes,
+        }
+
+
+def record_call(model: nn.Module, path: str, call_index: int, run: Callable[[nn.Module], Any]) -> Recording:
+    """Run ``run(model)`` and record, operation by operation, call ``call_index`` of the module at ``path``."""
+    target = model.get_submodule(path) if path else model
+    recording = Recording(f"{path}#{call_index}")
+    recorder = _Recorder(recording, target)
+    with recorder.installed(target, call_index):
+        run(model)
+    return recording
+
+
+def drill_down(
+    reference: Recording, candidate: Recording, dtype: torch.dtype | str, own_error: float | None = None
+) -> Drilldown:
+    """Compare two recordings of one module call and name where the candidate leaves the reference.
+
+    ``own_error`` (the module's own relative error, from isolated replay) sets the tolerance under which two
+    values are one: an eighth of it, within the dtype's bounds (:data:`_TOLERANCE`).
+    """
+    low, high = _TOLERANCE.get(str(dtype).removeprefix("torch."), _TOLERANCE["float32"])
+    tolerance = min(high, max(low, (own_error or high) / 8))
+    notes = [text for text in (reference.truncated, candidate.truncated) if text]
+    notes += [f"{side.key} was never called" for side in (reference, candidate) if not side.called]
+    layout_free = tolerance <= _TOLERANCE["float32"][1]
+    equals = _match(reference, candidate, tolerance, layout_free)
+    value = _frontier(candidate)
+    if value is None:
+        message = (
+            f"no operation in {candidate.key} differs beyond {tolerance:.1g} (relative L2) from the reference's "
+            "values: the difference lies below what single operations show"
+        )
+        return Drilldown(reference.key, candidate.key, tolerance, None, [], [], None, message,
+                         len(reference.ops), len(candidate.ops), notes)  # fmt: skip
+    anchor = candidate.ops[value.op] if value.op is not None else _first_use(candidate, value.index)
+    counterparts = _counterparts(reference, anchor, equals) if anchor is not None else []
+    operations, distance = _stretch(reference, candidate, value, counterparts, layout_free)
+    message = _describe(candidate, value, operations, counterparts, distance)
+    return Drilldown(reference.key, candidate.key, tolerance, value, operations, counterparts, distance, message,
+                     len(reference.ops), len(candidate.ops), notes)  # fmt: skip
+
+
+# -- recording ---------------------------------------------------------------------------------------------------
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, recording: Recording, target: nn.Module) -> None:
+        super().__init__()
+        self.recording = recording
+        self.known: dict[int, int] = {}
+        """id(tensor) -> value index; the tensors themselves are held in ``alive`` so ids stay unique."""
+        self.alive: list[torch.Tensor] = []
+        self.bytes = 0
+        self.stack: list[str] = [""]
+        self.names = {id(t): f"parameter {n}" for n, t in target.named_parameters()}
+        self.names.update({id(t): f"buffer {n}" for n, t in target.named_buffers()})
+        self.paths = {id(m): p for p, m in target.named_modules()}
+        self.active = False
+        self.busy = False
+
+    @contextmanager
+    def installed(self, target: nn.Module, call_index: int) -> Iterator[None]:
+        count = [0]
+
+        def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            count[0] += 1
+            if count[0] - 1 != call_index or self.active:
+                return
+            for slot, tensor in _tensors((args, kwargs)):
+                self._value(tensor, f"input {_slot(slot)}")
+            self.active = True
+            self.recording.called = True
+            self.__enter__()
+
+        def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self.active:
+                self.active = False
+                self.__exit__(None, None, None)
+                for slot, tensor in _tensors(output):
+                    self.recording.outputs.append(self._value(tensor, f"output {_slot(slot)}"))
+
+        # Output hooks run in the order registered: these run after any the module already has (a user's hook
+        # that changes the output is part of the call), and the call must not be teacher-forced (``within``).
+        handles = [
+            target.register_forward_pre_hook(enter, with_kwargs=True),
+            target.register_forward_hook(leave, with_kwargs=True),
+        ]
+        for module in target.modules():
+            if module is not target:
+                handles.append(module.register_forward_pre_hook(self._push))
+                handles.append(module.register_forward_hook(self._pop))
+        try:
+            yield
+        finally:
+            if self.active:  # the forward raised inside the call
+                self.active = False
+                self.__exit__(None, None, None)
+            for handle in handles:
+                handle.remove()
+
+    def _push(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.active:
+            self.stack.append(self.paths.get(id(module), "?"))
+
+    def _pop(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self.active:
+            return
+        if len(self.stack) > 1:
+            self.stack.pop()
+        self.busy = True  # what this hook does is bookkeeping, not the call's computation
+        try:
+            for slot, tensor in _tensors(output):  # made outside any recorded operation (teacher forcing)
+                if id(tensor) not in self.known:
+                    self._value(tensor, f"forced {self.paths.get(id(module), '?')} {_slot(slot)}".rstrip())
+        finally:
+            self.busy = False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        result = func(*args, **kwargs)
+        if self.busy:
+            return result
+        outputs = list(_tensors(result))
+        if not outputs or len(self.recording.ops) >= MAX_OPS:
+            if outputs and self.recording.truncated is None:
+                self.recording.truncated = f"{self.recording.key}: more than {MAX_OPS} operations; the rest unrecorded"
+            return result
+        index = len(self.recording.ops)
+        inputs = [self._value(tensor, "") for _, tensor in _tensors((args, kwargs))]
+        name = _name(func)
+        arguments = _arguments(name, args, kwargs, lambda tensor: self._label(tensor))
+        made = []
+        for slot, tensor in outputs:
+            self.known.pop(id(tensor), None)  # an in-place operation makes a new value in the same tensor
+            made.append(self._value(tensor, f"op {index}{_slot(slot, ' ')}", op=index))
+        self.recording.ops.append(Op(index, name, self.stack[-1], arguments, _scalars(args, kwargs), inputs, made))
+        return result
+
+    def _label(self, tensor: torch.Tensor) -> str:
+        """What a reader calls a tensor argument: ``input``, ``weight``, ``q_proj.weight``, or the name of
+        the operation that made it (``linear``, ``softmax``)."""
+        number = self.known.get(id(tensor))
+        if number is None:
+            return "tensor"
+        value = self.recording.values[number]
+        if value.op is not None:
+            return self.recording.ops[value.op].name if value.op < len(self.recording.ops) else "tensor"
+        kind, _, rest = value.origin.partition(" ")
+        return rest if kind in ("parameter", "buffer") else kind
+
+    def _value(self, tensor: torch.Tensor, origin: str, op: int | None = None) -> int:
+        known = self.known.get(id(tensor))
+        if known is not None:
+            return known
+        recording = self.recording
+        index = len(recording.values)
+        origin = self.names.get(id(tensor)) or origin or f"from {self.stack[-1] or 'the module'}"
+        recording.values.append(Value(index, origin, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), op))
+        size = tensor.numel() * tensor.element_size()
+        if self.bytes + size > MAX_BYTES or tensor.is_meta:
+            recording.tensors.append(None)
+            if recording.truncated is None:
+                recording.truncated = f"{recording.key}: over {MAX_BYTES >> 20} MiB of values; the rest kept unseen"
+        else:
+            self.bytes += size
+            recording.tensors.append(tensor.detach().clone())
+        self.known[id(tensor)] = index
+        self.alive.append(tensor)
+        return index
+
+
+def _tensors(value: Any, slot: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield slot, value
+    elif isinstance(value, tuple | list):
+        for number, item in enumerate(value):
+            yield from _tensors(item, f"{slot}.{number}")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors(item, f"{slot}.{key}")
+    elif hasattr(value, "to_tuple") and callable(value.to_tuple):  # transformers' ModelOutput
+        yield from _tensors(dict(value.items()), slot)
+
+
+def _slot(slot: str, prefix: str = "") -> str:
+    slot = slot.lstrip(".")
+    return f"{prefix}{slot}" if slot else ""
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name in ("__get__", "__set__"):  # a property such as Tensor.T or Tensor.mT
+        name = str(getattr(func, "__qualname__", name)).split(".")[-2]
+    return name
+
+
+def _scalar(value: Any) -> str | None:
+    if isinstance(value, bool | int | float | str) or value is None:
+        return repr(value) if not isinstance(value, float) else f"{value:.6g}"
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, tuple | list) and all(not isinstance(item, torch.Tensor) for item in value):
+        return repr(tuple(value)) if len(value) <= 8 else f"({len(value)} items)"
+    return None
+
+
+def _scalars(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[str]:
+    out = [text for text in map(_scalar, args) if text is not None]
+    out += [f"{key}={text}" for key, value in kwargs.items() if (text := _scalar(value)) is not None]
+    return out
+
+
+def _arguments(
+    name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], label: Callable[[torch.Tensor], str]
+) -> str:
+    def show(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{label(value)}{list(value.shape)}"
+        if isinstance(value, tuple | list) and any(isinstance(item, torch.Tensor) for item in value):
+            return "[" + ", ".join(show(item) for item in value) + "]"
+        return _scalar(value) or type(value).__name__
+
+    parts = [show(arg) for arg in args] + [f"{key}={show(value)}" for key, value in kwargs.items()]
+    return f"{name}({', '.join(parts)})"
+
+
+# -- matching ----------------------------------------------------------------------------------------------------
+
+
+def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, float]:
+    data = tensor.detach().reshape(-1).to(torch.float64)
+    return data, float(torch.linalg.vector_norm(data))
+
+
+class _Distance:
+    """Relative L2 distance between flattened values, in element order or (``layout_free``) in sorted order,
+    which no reshape, transpose or head split changes; sorted copies are made once per value."""
+
+    def __init__(self, layout_free: bool) -> None:
+        self.layout_free = layout_free
+        self.sorted: dict[int, torch.Tensor] = {}
+
+    def __call__(
+        self, key: int, data: torch.Tensor, norm: float, other_key: int, other: torch.Tensor, other_norm: float,
+        bound: float,
+    ) -> tuple[float, bool]:  # fmt: skip
+        """(distance, matched only out of order); ``inf`` when it cannot be below ``bound``."""
+        scale = max(other_norm, 1e-30)
+        if data.numel() != other.numel() or abs(norm - other_norm) / scale > bound:  # a lower bound of both
+            return math.inf, False
+        distance = float(torch.linalg.vector_norm(data - other)) / scale
+        if distance <= bound or not self.layout_free:
+            return distance, False
+        by_value = float(torch.linalg.vector_norm(self._sorted(key, data) - self._sorted(other_key, other))) / scale
+        return (by_value, True) if by_value < distance else (distance, False)
+
+    def _sorted(self, key: int, data: torch.Tensor) -> torch.Tensor:
+        if key not in self.sorted:
+            self.sorted[key] = torch.sort(data).values
+        return self.sorted[key]
+
+
+def _match(reference: Recording, candidate: Recording, tolerance: float, layout_free: bool) -> dict[int, set[int]]:
+    """Give each candidate value its nearest reference value of the same size; returns, per candidate value,
+    every reference value it equals (within ``tolerance``)."""
+    pool: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
+    for value, tensor in zip(reference.values, reference.tensors, strict=True):
+        if tensor is not None and tensor.numel():
+            pool.setdefault(tensor.numel(), []).append((value.index, *_flat(tensor)))
+    distance = _Distance(layout_free)
+    equals: dict[int, set[int]] = {}
+    for value, tensor in zip(candidate.values, candidate.tensors, strict=True):
+        if tensor is None or not tensor.numel():
+            continue
+        data, norm = _flat(tensor)
+        best, best_index, layout = math.inf, None, False
+        for index, other, other_norm in pool.get(data.numel(), []):
+            found, moved = distance(-1 - value.index, data, norm, index, other, other_norm, max(tolerance, best))
+            if found <= tolerance:
+                equals.setdefault(value.index, set()).add(index)
+            if found < best:
+                best, best_index, layout = found, index, moved
+        if best_index is None:
+            continue
+        value.distance = best
+        if best <= tolerance:
+            value.match, value.layout = best_index, layout
+    return equals
+
+
+def _consumers(recording: Recording) -> dict[int, list[Op]]:
+    consumers: dict[int, list[Op]] = {}
+    for op in recording.ops:
+        for number in op.inputs:
+            consumers.setdefault(number, []).append(op)
+    return consumers
+
+
+def _live(recording: Recording) -> list[bool]:
+    """Per value: whether the call's output depends on it (a child output replaced, or a value never used,
+    cannot be where the call goes wrong)."""
+    live = [False] * len(recording.values)
+    for number in recording.outputs:
+        live[number] = True
+    for op in reversed(recording.ops):
+        if any(live[number] for number in op.outputs):
+            for number in op.inputs:
+                live[number] = True
+    return live
+
+
+def _clean(recording: Recording) -> list[bool]:
+    """Per value: it equals a reference value, or something computed from it does (an intermediate the
+    reference never forms), or it is what the call was given (the reference's own values)."""
+    values = recording.values
+    recovers = [False] * len(values)
+    for op in reversed(recording.ops):  # a value recovers when a consumer's output matches or recovers
+        if any(values[out].match is not None or recovers[out] for out in op.outputs):
+            for number in op.inputs:
+                recovers[number] = True
+    clean = [
+        value.origin.startswith(("input ", "forced "))
+        or recording.tensors[value.index] is None
+        or value.match is not None
+        or recovers[value.index]
+        or _integral(value)
+        for value in values
+    ]
+    for op in recording.ops:  # moving clean values (a transpose, a cast) makes clean values
+        if op.name in _MOVES and all(clean[number] for number in op.inputs):
+            for number in op.outputs:
+                clean[number] = True
+    return clean
+
+
+def _frontier(candidate: Recording) -> Value | None:
+    """The earliest value the call's output depends on that is not clean while everything it was computed
+    from is (for a value from outside the call, its first use). A computing operation is preferred over one
+    that only moves values."""
+    clean, live = _clean(candidate), _live(candidate)
+    found: list[tuple[int, int, int]] = []
+    for value in candidate.values:
+        if clean[value.index] or not live[value.index]:
+            continue
+        if value.op is None:
+            first = _first_use(candidate, value.index)
+            if first is not None:
+                found.append((first.index, 0, value.index))
+            continue
+        op = candidate.ops[value.op]
+        if all(clean[number] for number in op.inputs):
+            found.append((op.index, 1 if op.name in _MOVES else 0, value.index))
+    if not found:
+        return None
+    computing = [item for item in found if item[1] == 0]
+    return candidate.values[min(computing or found)[2]]
+
+
+def _first_use(recording: Recording, number: int) -> Op | None:
+    return next((op for op in recording.ops if number in op.inputs), None)
+
+
+def _integral(value: Value) -> bool:
+    return not value.dtype.startswith(("float", "bfloat", "complex"))
+
+
+def _counterparts(reference: Recording, anchor: Op, equals: dict[int, set[int]]) -> list[Op]:
+    """The reference operations that take what ``anchor``'s inputs equal and make something no candidate
+    value equals: what the reference does where the candidate goes its own way."""
+    wanted = set().union(*(equals.get(n, set()) for n in anchor.inputs))
+    seen = set().union(*equals.values())
+    live = _live(reference)
+    found = [
+        op
+        for op in reference.ops
+        if wanted & set(op.inputs)
+        and any(live[n] and n not in seen and not _integral(reference.values[n]) for n in op.outputs)
+    ]
+    same = [op for op in found if op.name == anchor.name]
+    return (same or found)[:4]
+
+
+def _stretch(
+    reference: Recording, candidate: Recording, value: Value, counterparts: list[Op], layout_free: bool
+) -> tuple[list[Op], float | None]:
+    """The candidate operations from ``value`` to the value nearest a counterpart's result, and that distance."""
+    targets = [
+        (n, *_flat(tensor))
+        for op in counterparts
+        for n in op.outputs
+        if (tensor := reference.tensors[n]) is not None and tensor.numel()
+    ]
+    downstream = _descendants(candidate, value.index)
+    distance = _Distance(layout_free)
+    best, end = math.inf, None
+    for number in sorted(downstream):
+        tensor = candidate.tensors[number]
+        if tensor is None or not tensor.numel() or _integral(candidate.values[number]):
+            continue
+        data, norm = _flat(tensor)
+        for key, other, other_norm in targets:
+            found, _ = distance(-1 - number, data, norm, key, other, other_norm, math.inf)
+            if found < best:
+                best, end = found, number
+    if end is None:
+        first = candidate.ops[value.op] if value.op is not None else None
+        return ([first] if first is not None else []), value.distance
+    best = candidate.values[end].distance or best  # its distance to the nearest reference value: the error
+    path = _ancestors(candidate, end) & downstream
+    operations = sorted({op for n in path if (op := candidate.values[n].op) is not None})
+    if value.op is None:  # a parameter or buffer: the stretch starts at its first use
+        return [candidate.ops[i] for i in operations], best
+    return [candidate.ops[i] for i in operations if i >= value.op], best
+
+
+def _descendants(recording: Recording, start: int) -> set[int]:
+    reached = {start}
+    for op in recording.ops:
+        if reached & set(op.inputs):
+            reached.update(op.outputs)
+    return reached
+
+
+def _ancestors(recording: Recording, end: int) -> set[int]:
+    reached = {end}
+    for op in reversed(recording.ops):
+        if reached & set(op.outputs):
+            reached.update(op.inputs)
+    return reached
+
+
+def _describe(
+    candidate: Recording, value: Value, operations: list[Op], counterparts: list[Op], distance: float | None
+) -> str:
+    off = f"{distance:.3g}" if distance is not None and math.isfinite(distance) else "no value of its size"
+    theirs = "; ".join(op.arguments for op in counterparts)
+    if not operations:
+        use = _first_use(candidate, value.index)
+        read = f", read by {use.arguments}" if use is not None else ""
+        return f"{value.origin} {value.shape} matches no reference value (nearest: {off}){read}"
+    first = operations[0]
+    where = f" in {first.module}" if first.module else ""
+    if value.op is None:
+        text = f"{value.origin} {value.shape}{where} matches no reference value: "
+    else:
+        text = f"the inputs agree{where}, then "
+    if len(operations) == 1:
+        text += f"{first.arguments} differs from the reference's result by {off}"
+    else:
+        shown = " -> ".join(op.arguments for op in operations[:8]) + (" -> ..." if len(operations) > 8 else "")
+        text += f"{len(operations)} operations ({shown}) differ from the reference's result by {off}"
+    if not counterparts:
+        return text + "; the reference has no operation on the same inputs"
+    text += f"; the reference computes {theirs}"
+    ours = [item for op in operations for item in op.scalars]
+    reference = [item for op in counterparts for item in op.scalars]
+    if ours != reference:
+        text += f" (constants: {', '.join(ours) or 'none'} vs the reference's {', '.join(reference) or 'none'})"
+    return text
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """``model.layers.0.mlp#2`` -> (``model.layers.0.mlp``, 2)."""
+    path, _, number = key.rpartition("#")
+    return path, int(number)
+
+
+def drill_into(
+    reference: nn.Module,
+    reference_run: Callable[[nn.Module], Any],
+    reference_key: str,
+    candidate: nn.Module,
+    candidate_run: Callable[[nn.Module], Any],
+    candidate_key: str,
+    forcing: Callable[[nn.Module], Any],
+    dtype: torch.dtype | str,
+    own_error: float | None = None,
+) -> Drilldown:
+    """Record call ``reference_key`` of the reference as it runs, and call ``candidate_key`` of the candidate
+    under ``forcing(candidate)`` (a context manager feeding it the reference's values, such as
+    :func:`paritylab.comparison.replay.teacher_forcing`), and compare them (:func:`drill_down`).
+
+    A compiled candidate is recorded through its eager module: the operations its source calls, which the
+    compiled graph may fuse or reorder (a note says so).
+    """
+    notes = []
+    eager = getattr(candidate, "_orig_mod", None)
+    if isinstance(eager, nn.Module):
+        notes.append("compiled candidate: operations recorded on its eager module (the compiled graph fuses them)")
+        candidate = eager
+    reference_recording = record_call(reference, *split_key(reference_key), reference_run)
+    with forcing(candidate):
+        candidate_recording = record_call(candidate, *split_key(candidate_key), candidate_run)
+    result = drill_down(reference_recording, candidate_recording, dtype, own_error)
+    result.notes[:0] = notes
+    return result

@@ -1,0 +1,257 @@
+"""Divergence between a reference tensor and a candidate tensor, and the tolerances that judge it."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+METRIC_NAMES: tuple[str, ...] = (
+    "max_abs",
+    "mean_abs",
+    "rel_l2",
+    "cosine",
+    "sqnr_db",
+    "frac_outside",
+    "nan_mismatch",
+    "inf_mismatch",
+)
+
+# torch.testing.assert_close defaults (rtol, atol) per dtype
+_DEFAULTS: dict[str, tuple[float, float]] = {
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float32": (1.3e-6, 1e-5),
+    "float64": (1e-7, 1e-7),
+    "complex32": (1e-3, 1e-5),
+    "complex64": (1.3e-6, 1e-5),
+    "complex128": (1e-7, 1e-7),
+    "float8_e4m3fn": (1.25e-1, 1e-3),
+    "float8_e5m2": (2.5e-1, 1e-3),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|c − r| ≤ atol + rtol·|r|`` elementwise, or the same bound in L2 norm over the tensor."""
+
+    rtol: float
+    atol: float
+
+    @classmethod
+    def for_dtypes(cls, *dtypes: str) -> Tolerance:
+        """``assert_close``'s defaults for the loosest of ``dtypes`` (integers and bools: exact)."""
+        pairs = [_DEFAULTS.get(dtype, (0.0, 0.0)) for dtype in dtypes]
+        return cls(rtol=max(p[0] for p in pairs), atol=max(p[1] for p in pairs))
+
+
+@dataclass(frozen=True)
+class ToleranceOverride:
+    """Tolerance for reference module paths matching ``pattern`` (fnmatch); ``None`` keeps the default."""
+
+    pattern: str
+    rtol: float | None = None
+    atol: float | None = None
+
+
+class Tolerances:
+    """Global tolerance (or dtype defaults) plus per-module-pattern overrides, the last match winning."""
+
+    def __init__(
+        self,
+        rtol: float | None = None,
+        atol: float | None = None,
+        overrides: Sequence[ToleranceOverride] = (),
+    ) -> None:
+        self.rtol = rtol
+        self.atol = atol
+        self.overrides = list(overrides)
+
+    def resolve(self, path: str, *dtypes: str) -> Tolerance:
+        default = Tolerance.for_dtypes(*dtypes)
+        rtol = default.rtol if self.rtol is None else self.rtol
+        atol = default.atol if self.atol is None else self.atol
+        for override in self.overrides:
+            if fnmatch.fnmatchcase(path, override.pattern):
+                rtol = rtol if override.rtol is None else override.rtol
+                atol = atol if override.atol is None else override.atol
+        return Tolerance(rtol=rtol, atol=atol)
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, object] | None) -> Tolerances:
+        """From ``{rtol:, atol:, modules: {pattern: {rtol:, atol:}}}`` (all optional)."""
+        data = data or {}
+        modules = data.get("modules") or {}
+        if not isinstance(modules, Mapping):
+            raise ValueError("tolerance 'modules' must map module path patterns to {rtol:, atol:}")
+        overrides = [
+            ToleranceOverride(str(pattern), _opt_float(values, "rtol"), _opt_float(values, "atol"))
+            for pattern, values in modules.items()
+        ]
+        return cls(_opt_float(data, "rtol"), _opt_float(data, "atol"), overrides)
+
+
+def _opt_float(data: object, key: str) -> float | None:
+    if not isinstance(data, Mapping) or data.get(key) is None:
+        return None
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"tolerance {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def divergence(reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tolerance) -> dict[str, float]:
+    """All :data:`METRIC_NAMES` for two tensors of the same shape, computed in float64 on their device.
+
+    NaN/Inf at the same positions with the same values agree; positions where only one side is
+    non-finite count as mismatches and are left out of the other metrics, which stay meaningful.
+    On the CPU the work streams through cache-sized float64 chunks in reused buffers (no allocation
+    per tensor), which is what makes comparison fast.
+    """
+    r = reference.detach().reshape(-1)
+    c = candidate.detach().to(r.device).reshape(-1)
+    if c.dtype == torch.bool:  # subtraction is not defined on bool
+        c = c.to(torch.uint8)
+    sums = _accumulate(r, c, tolerance)
+    nan_mismatch = inf_mismatch = 0
+    if not all(math.isfinite(value) for value in sums[:6]):
+        r64, c64 = r.to(torch.float64), c.to(torch.float64)
+        r64, c64, nan_mismatch, inf_mismatch = _finite_part(r64, c64)
+        sums = _accumulate(r64, c64, tolerance)
+        r = r64
+    count = r.numel()
+    if count == 0:
+        return _empty(nan_mismatch, inf_mismatch)
+    err2, ref2, cand2, cross, max_abs, sum_abs, outside, ref_diff, sum_diff = sums
+    return {
+        "max_abs": max_abs,
+        "mean_abs": sum_abs / count,
+        "rel_l2": _ratio(math.sqrt(err2), math.sqrt(ref2)),
+        "cosine": _cosine(cross, ref2, cand2),
+        "sqnr_db": _sqnr(ref2, err2),
+        "frac_outside": outside / count,
+        "nan_mismatch": float(nan_mismatch),
+        "inf_mismatch": float(inf_mismatch),
+        "norm_bound": float(tolerance.atol * math.sqrt(count) + tolerance.rtol * math.sqrt(ref2)),
+        "err_l2": math.sqrt(err2),
+        "scale_err": _ratio(ref_diff, ref2),
+        "offset_err": _ratio(sum_diff / count, math.sqrt(ref2 / count)),
+    }
+
+
+_CHUNK = 1 << 18
+_workspace = threading.local()
+
+
+def _buffer(name: str, size: int, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    buffers: dict[tuple[str, torch.device], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
+    found = buffers.get((name, device))
+    if found is None or found.numel() < size or found.dtype != dtype:
+        found = buffers[(name, device)] = torch.empty(size, dtype=dtype, device=device)
+    return found[:size]
+
+
+def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple[float, ...]:
+    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance, r·(c−r), Σ(c−r)), in float64.
+
+    ``‖c‖²`` and ``r·c`` come from ``‖r‖²``, ``r·d`` and ``‖d‖²`` (``c = r + d``): one pass fewer, and
+    exact enough in float64 since ``d`` is small wherever it matters.
+    """
+    device = r.device
+    step = _CHUNK if device.type == "cpu" else max(1, r.numel())
+    totals = [0.0] * 9
+    for start in range(0, r.numel(), step):
+        size = min(step, r.numel() - start)
+        r64 = _buffer("r", size, device)
+        r64.copy_(r[start : start + size])
+        diff = torch.sub(c[start : start + size], r64, out=_buffer("d", size, device))  # promoted to float64
+        bound = torch.abs(r64, out=_buffer("t", size, device)).mul_(tolerance.rtol).add_(tolerance.atol)
+        dots = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(r64, diff), diff.sum()])
+        diff.abs_()
+        outside = torch.gt(diff, bound, out=_buffer("g", size, device, torch.bool))
+        summary = torch.stack([diff.max(), diff.sum(), torch.count_nonzero(outside).to(torch.float64)])
+        err2, ref2, ref_diff, sum_diff, max_abs, sum_abs, count = torch.cat([dots, summary]).tolist()
+        totals[0] += err2
+        totals[1] += ref2
+        totals[2] += ref2 + 2 * ref_diff + err2
+        totals[3] += ref2 + ref_diff
+        totals[4] = max(totals[4], max_abs) if math.isfinite(max_abs) else max_abs
+        totals[5] += sum_abs
+        totals[6] += count
+        totals[7] += ref_diff
+        totals[8] += sum_diff
+    return tuple(totals)
+
+
+def within(metrics: Mapping[str, float]) -> bool:
+    """Pass: no NaN/Inf mismatch, and close elementwise or in L2 norm (``‖c−r‖ ≤ atol·√n + rtol·‖r‖``)."""
+    if metrics["nan_mismatch"] or metrics["inf_mismatch"]:
+        return False
+    return metrics["frac_outside"] == 0 or metrics["err_l2"] <= metrics["norm_bound"]
+
+
+def _finite_part(r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    r_nan, c_nan = torch.isnan(r), torch.isnan(c)
+    r_inf, c_inf = torch.isinf(r), torch.isinf(c)
+    nan_mismatch = int(torch.count_nonzero(r_nan ^ c_nan))
+    inf_mismatch = int(torch.count_nonzero((r_inf | c_inf) & ~(r_nan | c_nan) & (r != c)))
+    keep = torch.isfinite(r) & torch.isfinite(c)
+    return r[keep], c[keep], nan_mismatch, inf_mismatch
+
+
+def _empty(nan_mismatch: int, inf_mismatch: int) -> dict[str, float]:
+    metrics = dict.fromkeys(METRIC_NAMES, 0.0)
+    metrics.update(cosine=1.0, sqnr_db=math.inf, nan_mismatch=float(nan_mismatch), inf_mismatch=float(inf_mismatch))
+    metrics.update(norm_bound=0.0, err_l2=0.0)
+    return metrics
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if denominator == 0:
+        return 0.0 if numerator == 0 else math.inf
+    return numerator / denominator
+
+
+def _cosine(cross: float, ref2: float, cand2: float) -> float:
+    if ref2 == 0 and cand2 == 0:
+        return 1.0
+    if ref2 == 0 or cand2 == 0:
+        return 0.0
+    return max(-1.0, min(1.0, cross / math.sqrt(ref2 * cand2)))
+
+
+def _sqnr(ref2: float, err2: float) -> float:
+    if err2 == 0:
+        return math.inf
+    if ref2 == 0:
+        return -math.inf
+    return 10 * math.log10(ref2 / err2)
+
+
+def stats_divergence(reference: Mapping[str, object], candidate: Mapping[str, object]) -> dict[str, float]:
+    """What two traces' stats alone say: relative differences of mean, std, norm and max |x|."""
+    from paritylab.tracing.tracefile import as_float
+
+    out: dict[str, float] = {}
+    for name in ("mean", "std", "norm", "absmax"):
+        r, c = as_float(reference.get(name)), as_float(candidate.get(name))
+        if math.isfinite(r) and math.isfinite(c):
+            scale = max(abs(r), as_float(reference.get("std")) if name == "mean" else 0.0, 1e-12)
+            out[f"{name}_rel"] = abs(c - r) / scale
+    for name in ("nan", "inf"):
+        r, c = as_float(reference.get(name)), as_float(candidate.get(name))
+        if math.isfinite(r) and math.isfinite(c):
+            out[f"{name}_mismatch"] = abs(c - r)
+    return out
+
+
+def stats_within(metrics: Mapping[str, float], tolerance: Tolerance) -> bool:
+    """Pass on stats alone: every available relative difference within ``rtol`` (plus a little slack)."""
+    if metrics.get("nan_mismatch") or metrics.get("inf_mismatch"):
+        return False
+    bound = max(tolerance.rtol, 1e-7) * 4
+    return all(value <= bound for key, value in metrics.items() if key.endswith("_rel"))

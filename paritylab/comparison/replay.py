@@ -1,0 +1,315 @@
+"""Isolated replay (teacher forcing): each candidate module fed the reference's values, so its error is its own.
+
+The candidate runs again under the tracer. After each aligned call has been recorded, its output is
+replaced by the reference's value for that call (cast to the candidate's dtype and device; for a fused
+module, only the aligned slice of the last dimension is replaced). Everything downstream therefore
+receives reference inputs, and every recorded output carries only the error of the module that made it
+(for a parent module, the error of its own code between its children).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, primary_slot
+from paritylab.comparison.metrics import Tolerances
+from paritylab.comparison.report import Report, Row, ancestors, compare_traces, innermost, producer_row, relative_error
+from paritylab.tracing.tracefile import CallRecord, Trace
+from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.values import iter_tensors
+
+
+@dataclasses.dataclass
+class _Replacement:
+    slot: str
+    value: torch.Tensor
+    cut: Part | None
+
+
+def isolated_replay(
+    candidate: nn.Module,
+    run: Callable[[nn.Module], Any],
+    reference: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    directory: str | Path | None = None,
+    fingerprint: bool = False,
+) -> Trace:
+    """Trace ``run(candidate)`` with every aligned output replaced by the reference's value.
+
+    ``candidate_trace`` (the free-running candidate trace) tells which output slot each pair compares.
+    Pairs whose reference value was not saved, or whose shapes differ, are left as they are.
+    """
+    options = TraceOptions(save_tensors=directory is not None, capture=None, fingerprint=fingerprint)
+    with (
+        Tracer(candidate, directory, options) as trace,
+        teacher_forcing(candidate, reference, candidate_trace, alignment) as replaced,
+    ):
+        run(candidate)
+    trace.meta["replay"] = {"replaced_calls": replaced}
+    return trace
+
+
+@contextmanager
+def teacher_forcing(
+    candidate: nn.Module, reference: Trace, candidate_trace: Trace, alignment: Alignment, within: str | None = None
+) -> Iterator[int]:
+    """While inside, every aligned call of ``candidate`` returns the reference's value (yields how many calls
+    are replaced). Hooks registered inside see the replaced outputs. Given ``within`` (a candidate call key),
+    that call and the calls inside it run as they are: only what feeds it is forced."""
+    plan = _plan(reference, candidate_trace, alignment)
+    if within is not None:
+        for key in _inside(candidate_trace, within):
+            plan.pop(key, None)
+    counts: dict[str, int] = {}
+    handles = [
+        module.register_forward_hook(_replacer(path, counts, plan)) for path, module in candidate.named_modules()
+    ]
+    try:
+        yield len(plan)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _inside(trace: Trace, key: str) -> set[str]:
+    """``key`` and the keys of every call made inside it."""
+    inside = {trace.call(key).index}
+    for call in trace.calls:  # a parent starts before its children
+        if call.parent in inside:
+            inside.add(call.index)
+    return {trace.calls[index].key for index in inside}
+
+
+def _plan(reference: Trace, candidate: Trace, alignment: Alignment) -> dict[str, list[_Replacement]]:
+    """Candidate call key -> the reference values to put into its output."""
+    plan: dict[str, list[_Replacement]] = {}
+    for pair in alignment.pairs:
+        replacement = _replacement(reference, candidate, pair)
+        if replacement is not None:
+            plan.setdefault(pair.candidate, []).append(replacement)
+    return plan
+
+
+def _replacement(reference: Trace, candidate: Trace, pair: Pair) -> _Replacement | None:
+    ref_call, cand_call = reference.call(pair.reference), candidate.call(pair.candidate)
+    ref_slot, cand_slot = primary_slot(ref_call, pair.reference_index), primary_slot(cand_call, pair.candidate_index)
+    if ref_slot is None or cand_slot is None:
+        return None
+    ref_node = dict(iter_tensors(ref_call.outputs, "outputs")).get(ref_slot)
+    value = reference.tensor(ref_node) if ref_node is not None else None
+    if value is None:
+        return None
+    if pair.reference_part is not None:
+        value = pair.reference_part.select(value)
+    return _Replacement(cand_slot, value, pair.candidate_part)
+
+
+def _replacer(path: str, counts: dict[str, int], plan: Mapping[str, list[_Replacement]]) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        index = counts.get(path, 0)
+        counts[path] = index + 1
+        replacements = plan.get(f"{path}#{index}")
+        if not replacements:
+            return None
+        for replacement in replacements:
+            output = replace_slot(output, replacement.slot.split(".")[1:], replacement)
+        return output
+
+    return hook
+
+
+def replace_slot(value: Any, parts: list[str], replacement: _Replacement) -> Any:
+    """A copy of ``value`` with the tensor at ``parts`` swapped for the replacement (same shape only)."""
+    if not parts:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return _swap(value, replacement)
+    head, rest = parts[0], parts[1:]
+    if isinstance(value, tuple | list) and head.isdigit() and int(head) < len(value):
+        items = list(value)
+        items[int(head)] = replace_slot(items[int(head)], rest, replacement)
+        return type(value)(items) if isinstance(value, list) or type(value) is tuple else type(value)(*items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, head):
+        return dataclasses.replace(value, **{head: replace_slot(getattr(value, head), rest, replacement)})
+    if isinstance(value, Mapping) and head in value:
+        copied = dict(value)
+        copied[head] = replace_slot(value[head], rest, replacement)
+        return copied
+    return value
+
+
+def _swap(tensor: torch.Tensor, replacement: _Replacement) -> torch.Tensor:
+    new = replacement.value.to(device=tensor.device, dtype=tensor.dtype)
+    if replacement.cut is None:
+        if new.shape != tensor.shape and broadcastable(list(new.shape), list(tensor.shape)):
+            new = new.expand(torch.broadcast_shapes(new.shape, tensor.shape))  # a size-1 dimension one side kept
+        return new if new.shape == tensor.shape else tensor
+    cut = replacement.cut
+    if cut.select(tensor).shape != new.shape:
+        return tensor
+    merged = tensor.clone()
+    if cut.indices is not None:
+        merged[..., list(cut.indices)] = new
+    else:
+        start, stop = cut.bounds(tensor.shape[-1])
+        merged[..., start:stop] = new
+    return merged
+
+
+def attach_replay(
+    report: Report,
+    reference: Trace,
+    replay: Trace,
+    tolerances: Tolerances | None = None,
+    local_floor: Mapping[str, Mapping[str, float]] | None = None,
+) -> Report:
+    """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification,
+    and name one culprit from the free run and the replay together; returns the replay's comparison.
+
+    ``local_floor`` (low-precision runs) maps reference call keys to the metrics of the reference module
+    itself at the candidate's precision on the reference's exact input (:func:`paritylab.run.parity.estimate_floors`).
+    A module's own error is then judged against that, not against the dtype's wide tolerance: see
+    :func:`beyond_floor`. Such a module fails the run.
+    """
+    replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
+    local_rows = {row.index: row for row in replay_report.rows}
+    fed_wrong: dict[int, tuple[Row, str]] = {}
+    by_index = {row.index: row for row in report.rows}
+    for row in report.rows:
+        local = local_rows.get(row.index)
+        own = relative_error(local.metrics) if local is not None else None
+        if local is None or own is None:
+            continue
+        inherited = relative_error(row.input_metrics)
+        output = relative_error(row.metrics)
+        floor = (local_floor or {}).get(row.reference.key)
+        reason = beyond_floor(local.metrics, floor, row.reference.dtype) if floor is not None else None
+        diverged = local.diverged if floor is None else reason is not None
+        if diverged and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
+            blamed = _unreplaced_source(row, by_index, reference)
+            if blamed is not None:  # not its own error: it was given a value the replay could not replace
+                fed_wrong.setdefault(blamed[0].index, blamed)
+                diverged, reason = False, None
+        row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
+        if floor is not None:
+            row.local["local_floor"] = floor["rel_l2"]
+        if inherited is not None:
+            row.local["inherited_rel_l2"] = inherited
+        if output is not None and inherited:
+            row.local["amplification"] = output / inherited
+        if reason and row.verdict == "pass" and row.status != "identity":
+            row.verdict, row.note = "fail", f"{reason} (isolated replay)"
+    own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
+    for culprit, note in fed_wrong.values():
+        culprit.verdict, culprit.note = "fail", note
+        if culprit not in own_errors:
+            own_errors.append(culprit)
+    own_errors.sort(key=lambda r: r.index)
+    for row in report.origins:  # relative error beyond the margin, hidden under atol, and confirmed as its own
+        if row.verdict == "pass" and row.local.get("local_diverged"):
+            row.verdict = "fail"
+            row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
+    report.replay_origins = innermost(own_errors, report.rows)
+    _name_culprit(report, low_precision=local_floor is not None)
+    return replay_report
+
+
+def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord) -> bool:
+    """In the replay, the row's floating-point input differs from the reference's although every paired
+    module upstream was given the reference's values (integer inputs, such as token or position ids, are
+    what each implementation chose to pass, not values an upstream error could have changed)."""
+    node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
+    if not local.input_metrics or node is None or not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+        return False
+    if floor is None:
+        return local.input_diverged
+    return beyond_floor(local.input_metrics, floor, dtype) is not None
+
+
+def _unreplaced_source(row: Row, by_index: Mapping[int, Row], reference: Trace) -> tuple[Row, str] | None:
+    """Where a value the replay could not replace was made: the module with no counterpart that produced the
+    row's input (data flow, through folded calls), else the parent's own code between its children."""
+    where = row.path or "<root>"
+    producer = producer_row(dict(by_index), reference, row)
+    if producer is not None and producer.status == "unmatched":
+        note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
+        return producer, note + " (isolated replay)"
+    parent = by_index.get(row.parent) if row.parent is not None else None
+    if parent is None:
+        return None
+    note = f"its own code between its children gives {where} a value the reference does not, while every paired"
+    return parent, note + " module before it was given the reference's values (isolated replay)"
+
+
+REL_MULTIPLE = 4.5
+"""A module's own error diverges beyond this multiple of its local noise floor (independent implementations
+of one module at bfloat16 were measured up to 3.2x apart) ..."""
+SYSTEMATIC_MULTIPLE = 12.0
+"""... or when its error's systematic part, along the output (a gain) or constant (an offset), exceeds
+this multiple of the reference's own (measured up to 5.3x on clean pairs; a 1 % error gives 30x or more)."""
+_MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4}
+"""Smallest local floor assumed per dtype: a quarter of its machine epsilon (exact reference modules)."""
+
+
+def beyond_floor(metrics: Mapping[str, float], floor: Mapping[str, float], dtype: str | None) -> str | None:
+    """Why a module's own low-precision error is more than rounding, or ``None`` when it is not.
+
+    Rounding error is unbiased: it has no part along the output and no constant part beyond what the
+    reference's own rounding shows, while a wrong scale, offset, eps or activation has one. Noise-like
+    errors can only be told from rounding by their size.
+    """
+    if metrics.get("nan_mismatch") or metrics.get("inf_mismatch"):
+        return "NaN/Inf the reference does not produce"
+    rel_floor = max(floor.get("rel_l2", 0.0), _MIN_FLOOR.get(dtype or "", 0.0), 1e-12)
+    rel = metrics.get("rel_l2", 0.0) / rel_floor
+    if rel > REL_MULTIPLE:
+        return f"own error {rel:.1f}x its local noise floor"
+    noise = 0.05 * rel_floor
+    for name, what in (("scale_err", "gain"), ("offset_err", "offset")):
+        ratio = abs(metrics.get(name, 0.0)) / max(abs(floor.get(name, 0.0)), noise)
+        if ratio > SYSTEMATIC_MULTIPLE:
+            return f"systematic {what} of {metrics[name]:+.2%}, {ratio:.0f}x the reference's own rounding"
+    return None
+
+
+def _name_culprit(report: Report, low_precision: bool) -> None:
+    """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
+
+    - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
+    - a free-run origin whose own error the replay confirms stands;
+    - else the replay's earliest own error inside the free-run origin is more precise, and in low
+      precision, where free-run divergence is judged against a wide tolerance, the replay's earliest own
+      error (judged against the local noise floor) is named;
+    - with no free-run origin, the replay's earliest own error is the culprit when the run fails.
+    """
+    first = report.origins[0] if report.origins else None
+    if first is not None and report.first_divergence is None and not report.passed:
+        report.first_divergence = first
+        report.culprit_reason = "the earliest module whose output diverges while its input agrees"
+    replayed = report.replay_origins
+    if not replayed or (first is not None and first.status == "unmatched"):
+        return
+    if first is not None and first in replayed:
+        return
+    by_index = {row.index: row for row in report.rows}
+    inside = [row for row in replayed if first is not None and first.index in ancestors(row, by_index)]
+    chosen: Row | None = None
+    if inside:
+        chosen, reason = inside[0], "its own error (isolated replay) diverges inside the free-run origin"
+    elif low_precision or first is None:
+        if first is None and report.passed:
+            return
+        chosen, reason = replayed[0], "the earliest module whose own error (isolated replay) exceeds its local floor"
+    if chosen is None:
+        return
+    report.first_divergence, report.culprit_reason = chosen, reason
+    report.origins = [chosen, *(row for row in report.origins if row is not chosen)]
+    chosen.cause = "origin"

@@ -1,0 +1,642 @@
+"""Compare two traces: one row per aligned call, a verdict per row, and where divergence starts.
+
+Verdict: ``torch.testing.assert_close`` semantics per dtype (see :mod:`paritylab.comparison.metrics`), optionally
+relaxed to a multiple of the row's numerical noise floor.
+
+Localisation is scale-free, so an error hidden under ``atol`` in small activations is still found where
+it starts rather than where a later normalisation magnifies it. A row *diverges* when its relative L2
+error exceeds ``DIVERGENCE_MARGIN × rtol`` (or ``noise_multiple ×`` its noise floor). A diverging call
+*starts* divergence when its primary input has not diverged, or when its error exceeds ``JUMP`` times
+its input's (a second, independent bug downstream). An origin is a starting call with no starting
+call among its descendants: a decoder layer is not blamed for its MLP's bug, but a bug in the layer's
+own code between its children is blamed on the layer. The first divergence is the earliest origin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paritylab.comparison.alignment import Alignment, Pair, Part, Rule, align, broadcastable, primary_slot
+from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
+from paritylab.tracing.tracefile import CallRecord, Trace
+from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
+
+NOISE_MULTIPLE = 4.0
+"""With a noise floor, a row also passes when its error is at most this multiple of the floor."""
+DIVERGENCE_MARGIN = 4.0
+"""A row diverges (for localisation) when its relative L2 error exceeds this multiple of ``rtol``."""
+NO_VALUES = "no values to compare"
+JUMP = 10.0
+"""A diverging row whose input already diverged still starts divergence if its error is this much larger."""
+
+
+@dataclass
+class Side:
+    """What one side of a row compared: call key, slot, dtype and shape."""
+
+    key: str
+    slot: str | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
+
+
+@dataclass
+class Row:
+    """One aligned pair (or an unmatched reference call) with its divergence and verdict."""
+
+    index: int
+    """Position of the reference call in execution order."""
+    path: str
+    reference: Side
+    candidate: Side | None
+    status: str
+    """``compared``, ``stats-only``, ``shape-mismatch``, ``missing``, ``error``, ``unmatched`` or ``identity``
+    (the call returned its own input: folded into the call that produced it, never an origin)."""
+    verdict: str
+    """``pass``, ``fail`` or ``skip`` (nothing to judge)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    tolerance: Tolerance | None = None
+    input_metrics: dict[str, float] = field(default_factory=dict)
+    input_verdict: str = "skip"
+    diverged: bool = False
+    """Scale-free divergence used for localisation (see the module docstring)."""
+    input_diverged: bool = False
+    input_known: bool = True
+    """Whether the input's state is known: compared directly, or read from the row that produced it."""
+    cause: str = ""
+    """For diverging rows: ``origin``, ``contains-origin`` or ``inherited``."""
+    floor: float | None = None
+    source: str = ""
+    depth: int = 0
+    parent: int | None = None
+    note: str = ""
+    local: dict[str, float] = field(default_factory=dict)
+    """Isolated replay: ``local_rel_l2``, ``inherited_rel_l2``, ``amplification`` (when replay ran)."""
+
+    @property
+    def rel_l2(self) -> float | None:
+        value = self.metrics.get("rel_l2")
+        return None if value is None else float(value)
+
+    @property
+    def floor_ratio(self) -> float | None:
+        if self.floor is None or self.rel_l2 is None:
+            return None
+        return self.rel_l2 / self.floor if self.floor > 0 else (math.inf if self.rel_l2 > 0 else 1.0)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "index": self.index,
+            "path": self.path,
+            "reference": vars(self.reference),
+            "candidate": vars(self.candidate) if self.candidate else None,
+            "status": self.status,
+            "verdict": self.verdict,
+            "diverged": self.diverged,
+            "cause": self.cause,
+            "source": self.source,
+            "metrics": self.metrics,
+            "input_metrics": self.input_metrics,
+            "input_verdict": self.input_verdict,
+            "tolerance": vars(self.tolerance) if self.tolerance else None,
+        }
+        if self.floor is not None:
+            data["noise_floor"] = self.floor
+            data["floor_ratio"] = self.floor_ratio
+        if self.local:
+            data["replay"] = self.local
+        if self.note:
+            data["note"] = self.note
+        return data
+
+
+@dataclass
+class Report:
+    """The comparison of two traces; render with :mod:`paritylab.reports.render`."""
+
+    rows: list[Row]
+    alignment: Alignment
+    first_divergence: Row | None
+    origins: list[Row]
+    reference_meta: dict[str, Any] = field(default_factory=dict)
+    candidate_meta: dict[str, Any] = field(default_factory=dict)
+    first_nonfinite: dict[str, str | None] = field(default_factory=dict)
+    replay_origins: list[Row] = field(default_factory=list)
+    """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.comparison.replay.attach_replay` ran."""
+    culprit_reason: str = ""
+    """Why :attr:`first_divergence` was named (free-run origin, unmatched stretch, isolated replay, ...)."""
+    decode: dict[str, Any] | None = None
+    """Decode-step parity (``Generation.to_dict()``: its summary and every step), when it ran."""
+    drilldown: dict[str, Any] | None = None
+    """Inside :attr:`first_divergence`, the first operation that differs (``Drilldown.to_dict()``)."""
+
+    @property
+    def passed(self) -> bool:
+        """Parity holds: no failing row, neither forward raised, and every aligned output was compared by value."""
+        return self.verdict == "pass"
+
+    @property
+    def verdict(self) -> str:
+        """``error`` (a forward raised), ``fail``, ``inconclusive`` (nothing failed, but some aligned output
+        could not be compared by value, or nothing was compared at all) or ``pass``."""
+        if self.errors:
+            return "error"
+        decode = (self.decode or {}).get("summary", {}).get("verdict", "pass")
+        if self.failing or decode in ("fail", "error"):
+            return "fail"
+        if self.not_compared or not any(row.status == "compared" for row in self.rows) or decode != "pass":
+            return "inconclusive"
+        return "pass"
+
+    @property
+    def not_compared(self) -> list[Row]:
+        """Aligned rows judged without values: on statistics only, or with no values saved on a side."""
+        return [
+            row
+            for row in self.rows
+            if row.status == "stats-only" or (row.status == "missing" and row.note.startswith(NO_VALUES))
+        ]
+
+    @property
+    def failing(self) -> list[Row]:
+        return [row for row in self.rows if row.verdict == "fail"]
+
+    @property
+    def errors(self) -> dict[str, Any]:
+        return {
+            side: meta["error"]
+            for side, meta in (("reference", self.reference_meta), ("candidate", self.candidate_meta))
+            if meta.get("error")
+        }
+
+    @property
+    def output_row(self) -> Row | None:
+        """The row of the model's output (the outermost call that was compared)."""
+        compared = [row for row in self.rows if row.status in ("compared", "stats-only", "shape-mismatch")]
+        return min(compared, key=lambda row: (row.depth, row.index)) if compared else None
+
+    def summary(self) -> dict[str, Any]:
+        judged = [row for row in self.rows if row.verdict != "skip"]
+        worst = max((row for row in judged if row.rel_l2 is not None), key=lambda r: r.rel_l2 or 0.0, default=None)
+        output = self.output_row
+        return {
+            "verdict": self.verdict,
+            "rows": len(self.rows),
+            "not_compared": len(self.not_compared),
+            "passed": sum(row.verdict == "pass" for row in self.rows),
+            "failed": len(self.failing),
+            "skipped": sum(row.verdict == "skip" for row in self.rows),
+            "origins": [row.path for row in self.origins],
+            "replay_origins": [row.path for row in self.replay_origins],
+            "first_divergence": self.first_divergence.path if self.first_divergence else None,
+            "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
+            "culprit_reason": self.culprit_reason,
+            "first_operation": self.drilldown.get("operation") if self.drilldown else None,
+            "decode": self.decode["summary"] if self.decode else None,
+            "worst_rel_l2": worst.rel_l2 if worst else None,
+            "worst_module": worst.path if worst else None,
+            "output_module": output.path if output else None,
+            "output_rel_l2": output.rel_l2 if output else None,
+            "output_max_abs": output.metrics.get("max_abs") if output else None,
+            "unmatched_reference": len(self.alignment.unmatched_reference),
+            "unmatched_candidate": len(self.alignment.unmatched_candidate),
+            "first_nonfinite": self.first_nonfinite,
+            "errors": self.errors,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary(),
+            "rows": [row.to_json() for row in self.rows],
+            "drilldown": self.drilldown,
+            "unmatched_candidate": self.alignment.unmatched_candidate,
+        }
+
+
+def compare_traces(
+    reference: Trace,
+    candidate: Trace,
+    *,
+    rules: Iterable[Rule] = (),
+    alignment: Alignment | None = None,
+    tolerances: Tolerances | None = None,
+    noise_floor: Mapping[str, float] | None = None,
+    noise_multiple: float = NOISE_MULTIPLE,
+    pinned: bool = False,
+) -> Report:
+    """Compare ``candidate`` against ``reference``.
+
+    With ``pinned``, ``rules`` are a frozen alignment: nothing else is paired, and a pinned pair whose
+    candidate call no longer exists fails its row (the candidate's structure changed: re-pin on purpose).
+
+    ``noise_floor`` maps reference call keys to the relative L2 error that precision alone causes there
+    (see :func:`noise_floor`); a row within ``noise_multiple`` times its floor passes.
+    """
+    alignment = alignment or align(reference, candidate, rules, pinned=pinned)
+    tolerances = tolerances or Tolerances()
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]] = {}
+    pairs = alignment.by_reference()
+    ignored = set(alignment.ignored_reference)
+    rows: list[Row] = []
+    folded = set(alignment.folded_reference)
+    lost = set(alignment.lost) if pinned else set()
+    partner = {
+        reference.call(pair.reference).index: candidate.call(pair.candidate).index
+        for pair in alignment.pairs
+        if pair.reference_part is None and pair.candidate_part is None
+    }
+    for call in reference.calls:
+        pair = pairs.get(call.key)
+        if call.key in folded:
+            rows.append(_unmatched_row(call, "returns its input: folded into the call that produced it", "identity"))
+            continue
+        if pair is None:
+            if call.key in lost:
+                row = _unmatched_row(call, "paired by the pinned alignment, but that candidate call no longer exists")
+                row.verdict = "fail"
+                rows.append(row)
+                continue
+            rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
+            continue
+        other = candidate.call(pair.candidate)
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner)
+        _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
+        _mark_divergence(row, noise_multiple)
+        rows.append(row)
+    _infer_inputs(rows, reference)
+    origins = _localise(rows, reference)
+    first, reason = None, ""
+    if origins and any(row.verdict == "fail" for row in rows):
+        first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
+        if first.status == "unmatched":
+            reason = "divergence starts inside this module, which has no counterpart in the candidate"
+    elif any(row.verdict == "fail" for row in rows):
+        first = innermost([row for row in rows if row.verdict == "fail"], rows)[0]
+        reason = "the earliest innermost failing module (no row diverges beyond its tolerance margin)"
+    return Report(
+        rows=rows,
+        alignment=alignment,
+        first_divergence=first,
+        origins=origins,
+        culprit_reason=reason,
+        reference_meta=reference.meta,
+        candidate_meta=candidate.meta,
+        first_nonfinite={"reference": _first_nonfinite(reference), "candidate": _first_nonfinite(candidate)},
+    )
+
+
+def _unmatched_row(call: CallRecord, note: str, status: str = "unmatched") -> Row:
+    return Row(
+        index=call.index,
+        path=call.path,
+        reference=Side(call.key),
+        candidate=None,
+        status=status,
+        verdict="skip",
+        depth=call.depth,
+        parent=call.parent,
+        note=note,
+    )
+
+
+def _compare_pair(
+    reference: Trace,
+    candidate: Trace,
+    ref_call: CallRecord,
+    cand_call: CallRecord,
+    pair: Pair,
+    tolerances: Tolerances,
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
+    partner: Mapping[int, int],
+) -> Row:
+    ref_slot = primary_slot(ref_call, pair.reference_index)
+    cand_slot = primary_slot(cand_call, pair.candidate_index)
+    if pair.reference_index is None and pair.candidate_index is None:
+        ref_slot, cand_slot = _dataflow_slots(ref_call, cand_call, ref_slot, cand_slot, partner)
+    ref_node = _node_at(ref_call, ref_slot)
+    cand_node = _node_at(cand_call, cand_slot)
+    row = Row(
+        index=ref_call.index,
+        path=ref_call.path,
+        reference=_side(ref_call.key, ref_slot, ref_node, pair.reference_part),
+        candidate=_side(cand_call.key, cand_slot, cand_node, pair.candidate_part),
+        status="compared",
+        verdict="skip",
+        source=pair.source,
+        depth=ref_call.depth,
+        parent=ref_call.parent,
+    )
+    if ref_call.error or cand_call.error:
+        row.status, row.verdict = "error", "fail"
+        row.note = f"raised: {ref_call.error or cand_call.error}"
+        return row
+    dtypes = [n["dtype"] for n in (ref_node, cand_node) if n is not None]
+    row.tolerance = tolerances.resolve(ref_call.path, *dtypes) if dtypes else None
+    row.status, row.verdict, row.metrics, row.note = _judge_once(
+        memo, reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
+    )
+    ref_in, cand_in = _primary_input(ref_call), _primary_input(cand_call)
+    if ref_in is not None and cand_in is not None and row.tolerance is not None:
+        _, row.input_verdict, row.input_metrics, _ = _judge_once(
+            memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
+        )
+    return row
+
+
+def _dataflow_slots(
+    ref_call: CallRecord,
+    cand_call: CallRecord,
+    ref_slot: str | None,
+    cand_slot: str | None,
+    partner: Mapping[int, int],
+) -> tuple[str | None, str | None]:
+    """The output slots to compare, by data flow where the outputs are tensors returned as inner calls made
+    them (a model returning its final norm's and its pooler's outputs): the candidate slot holding what the
+    partner of the reference slot's producer made, wherever it sits in the candidate's output structure
+    (``(pooled, hidden_states)`` against ``last_hidden_state, pooler_output``). The primary slots are kept
+    when data flow says nothing and their shapes fit; otherwise the first reference output whose counterpart
+    the candidate returns is compared."""
+    produced = {item["from"]: slot for slot, item in iter_tensors(cand_call.outputs, "outputs") if "from" in item}
+    if not produced:
+        return ref_slot, cand_slot
+
+    def counterpart(slot: str | None) -> str | None:
+        node = _node_at(ref_call, slot)
+        origin = node.get("from") if node is not None else None
+        target = partner.get(origin) if isinstance(origin, int) else None
+        return produced.get(target) if target is not None else None
+
+    found = counterpart(ref_slot)
+    if found is not None:
+        return ref_slot, found
+    ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+    if ref_node is not None and cand_node is not None and _shapes_fit(ref_node["shape"], cand_node["shape"]):
+        return ref_slot, cand_slot
+    for slot, _ in iter_tensors(ref_call.outputs, "outputs"):
+        found = counterpart(slot)
+        if found is not None:
+            return slot, found
+    return ref_slot, cand_slot
+
+
+def _shapes_fit(a: list[int], b: list[int]) -> bool:
+    return a == b or broadcastable(a, b)
+
+
+def _judge_once(
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
+    reference: Trace,
+    candidate: Trace,
+    ref_node: Node | None,
+    cand_node: Node | None,
+    ref_part: Part | None,
+    cand_part: Part | None,
+    tolerance: Tolerance | None,
+) -> tuple[str, str, dict[str, float], str]:
+    """:func:`_judge`, computed once per pair of stored tensors (a layer's output is the next one's input)."""
+    refs = (ref_node or {}).get("ref"), (cand_node or {}).get("ref")
+    if None in refs:
+        return _judge(reference, candidate, ref_node, cand_node, ref_part, cand_part, tolerance)
+    key = (*refs, ref_part, cand_part, tolerance)
+    if key not in memo:
+        memo[key] = _judge(reference, candidate, ref_node, cand_node, ref_part, cand_part, tolerance)
+    return memo[key]
+
+
+def _judge(
+    reference: Trace,
+    candidate: Trace,
+    ref_node: Node | None,
+    cand_node: Node | None,
+    ref_slice: Part | None,
+    cand_slice: Part | None,
+    tolerance: Tolerance | None,
+) -> tuple[str, str, dict[str, float], str]:
+    """(status, verdict, metrics, note) for one pair of tensor nodes."""
+    if ref_node is None or cand_node is None or tolerance is None:
+        missing = "reference" if ref_node is None else "candidate"
+        return "missing", "skip", {}, f"no output tensor on the {missing} side"
+    ref_shape = _sliced_shape(ref_node["shape"], ref_slice)
+    cand_shape = _sliced_shape(cand_node["shape"], cand_slice)
+    broadcast = ref_shape != cand_shape and broadcastable(ref_shape, cand_shape)
+    if ref_shape != cand_shape and not broadcast:
+        note = f"shapes differ: {ref_shape} vs {cand_shape}"
+        if _numel(ref_shape) == _numel(cand_shape):
+            note += " (same number of elements: a layout difference?)"
+        return "shape-mismatch", "fail", {}, note
+    ref_value, cand_value = reference.tensor(ref_node), candidate.tensor(cand_node)
+    if ref_value is not None and cand_value is not None:
+        ref_value, cand_value = _cut(ref_value, ref_slice), _cut(cand_value, cand_slice)
+        if broadcast:  # one side kept a size-1 dimension the other repeated (position embeddings)
+            ref_value, cand_value = torch.broadcast_tensors(ref_value, cand_value)
+        metrics = divergence(ref_value, cand_value, tolerance)
+        note = f"broadcast {ref_shape} against {cand_shape}" if broadcast else ""
+        return "compared", "pass" if within(metrics) else "fail", metrics, note
+    if ref_node.get("stats") and cand_node.get("stats") and ref_slice is None and cand_slice is None:
+        metrics = stats_divergence(ref_node["stats"], cand_node["stats"])
+        return "stats-only", "pass" if stats_within(metrics, tolerance) else "fail", metrics, "judged on stats"
+    reason = ref_node.get("skipped") or cand_node.get("skipped") or "values were not saved"
+    return "missing", "skip", {}, f"{NO_VALUES}: {reason}"
+
+
+def _apply_floor(row: Row, floor: float | None, multiple: float) -> None:
+    if floor is None or row.status != "compared":
+        return
+    row.floor = floor
+    nonfinite = row.metrics["nan_mismatch"] or row.metrics["inf_mismatch"]
+    if row.verdict == "fail" and not nonfinite and row.metrics["rel_l2"] <= multiple * floor:
+        row.verdict = "pass"
+        row.note = f"within {multiple:g}x the noise floor"
+
+
+def relative_error(metrics: Mapping[str, float]) -> float | None:
+    """Relative error of a row: rel_l2 from values, else the largest relative stats difference."""
+    if "rel_l2" in metrics:
+        return metrics["rel_l2"]
+    relative = [value for key, value in metrics.items() if key.endswith("_rel")]
+    return max(relative) if relative else None
+
+
+def _mark_divergence(row: Row, noise_multiple: float) -> None:
+    if row.tolerance is None:
+        row.diverged = row.verdict == "fail"
+        return
+    threshold = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
+    if row.floor is not None:
+        threshold = max(threshold, noise_multiple * row.floor)
+    nonfinite = any(row.metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
+    out = relative_error(row.metrics)
+    row.diverged = row.status in ("shape-mismatch", "error") or nonfinite or (out is not None and out > threshold)
+    into = relative_error(row.input_metrics)
+    row.input_known = into is not None
+    in_nonfinite = any(row.input_metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
+    row.input_diverged = in_nonfinite or (into is not None and into > threshold)
+    if row.input_diverged and out is not None and into is not None and not in_nonfinite and out > JUMP * into:
+        row.input_diverged = False  # the row adds far more than it received: a second origin
+
+
+def producer_row(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> Row | None:
+    """The row of the call that produced ``row``'s primary input, looking through folded identity calls."""
+    seen: set[int] = set()
+    current = row
+    while True:
+        node = _primary_input(reference.calls[current.index]) if current.index < len(reference.calls) else None
+        origin = node.get("from") if node else None
+        if not isinstance(origin, int) or origin in seen or origin not in rows_by_index:
+            return None
+        seen.add(origin)
+        producer = rows_by_index[origin]
+        if producer.status != "identity":
+            return producer
+        current = producer
+
+
+def _infer_inputs(rows: list[Row], reference: Trace) -> None:
+    """Rows whose inputs could not be compared take their input's state from the row that produced it."""
+    by_index = {row.index: row for row in rows}
+    for row in rows:
+        if row.input_known or not row.diverged:
+            continue
+        producer = producer_row(by_index, reference, row)
+        if producer is not None and producer.status in _JUDGED:
+            row.input_known, row.input_diverged = True, producer.diverged
+
+
+_JUDGED = ("compared", "stats-only", "shape-mismatch", "error")
+
+
+def _localise(rows: list[Row], reference: Trace) -> list[Row]:
+    """Mark each diverging row as origin / contains-origin / inherited; return the origins in order.
+
+    A start is a diverging row whose input agrees. A diverging row whose input diverged, when that input
+    was produced by a module with no counterpart whose own input agrees, makes that unmatched module the
+    start: divergence begins inside the unmatched stretch. Rows whose input state is unknown are starts
+    only when nothing else explains the divergence. An origin is a start with no start among its
+    descendants.
+    """
+    by_index = {row.index: row for row in rows}
+    starts = [row for row in rows if row.diverged and row.input_known and not row.input_diverged]
+    for row in rows:
+        if not (row.diverged and row.input_known and row.input_diverged):
+            continue
+        producer = producer_row(by_index, reference, row)
+        if producer is None or producer.status != "unmatched":
+            continue
+        upstream = producer_row(by_index, reference, producer)
+        if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
+            producer.diverged = True
+            finding = "no counterpart; its consumers' inputs diverge while its own input agrees"
+            producer.note = f"{producer.note}; {finding}" if producer.note else finding
+            if producer not in starts:
+                starts.append(producer)
+    if not starts:
+        starts = [row for row in rows if row.diverged and not row.input_known]
+    has_start_below = {index for row in starts for index in ancestors(row, by_index)}
+    origins = [row for row in starts if row.index not in has_start_below]
+    for row in rows:
+        if not row.diverged:
+            continue
+        if row in origins:
+            row.cause = "origin"
+        elif row in starts or not row.input_diverged:
+            row.cause = "contains-origin"
+        else:
+            row.cause = "inherited"
+    return sorted(origins, key=lambda row: row.index)
+
+
+def ancestors(row: Row, by_index: Mapping[int, Row]) -> Iterator[int]:
+    """The call indices above ``row``, innermost first (as far as ``by_index`` knows them)."""
+    parent = row.parent
+    while parent is not None:
+        yield parent
+        parent = by_index[parent].parent if parent in by_index else None
+
+
+def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
+    """``rows`` without those that have another of ``rows`` below them (modules, not their parents), in
+    execution order."""
+    chosen = {row.index for row in rows}
+    by_index = {row.index: row for row in everything}
+    above = {index for row in rows for index in ancestors(row, by_index) if index in chosen}
+    return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
+
+
+def _first_nonfinite(trace: Trace) -> str | None:
+    """The first call (in completion order) whose output holds NaN or Inf."""
+    hits = []
+    for call in trace.calls:
+        for _, node in iter_tensors(call.outputs, "outputs"):
+            stats = node.get("stats") or {}
+            if stats.get("nan") or stats.get("inf"):
+                hits.append(call)
+                break
+    if not hits:
+        return None
+    ancestors = {call.parent for call in hits}
+    innermost = [call for call in hits if call.index not in ancestors]
+    return min(innermost, key=lambda call: call.index).key
+
+
+def _side(key: str, slot: str | None, node: Node | None, cut: Part | None) -> Side:
+    if node is None:
+        return Side(key, slot)
+    return Side(key, slot, node["dtype"], _sliced_shape(node["shape"], cut))
+
+
+def primary_output(trace: Trace, call: CallRecord) -> torch.Tensor | None:
+    """The saved value of ``call``'s primary (first tensor) output, or ``None`` when it was not saved."""
+    node = _node_at(call, first_tensor_slot(call.outputs, "outputs"))
+    return trace.tensor(node) if node is not None else None
+
+
+def _node_at(call: CallRecord, slot: str | None) -> Node | None:
+    if slot is None:
+        return None
+    return dict(iter_tensors(call.outputs, "outputs")).get(slot)
+
+
+def _primary_input(call: CallRecord) -> Node | None:
+    slot = first_tensor_slot(call.inputs, "inputs")
+    return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None
+
+
+def _sliced_shape(shape: list[int], cut: Part | None) -> list[int]:
+    if cut is None or not shape:
+        return list(shape)
+    return [*shape[:-1], cut.size(shape[-1])]
+
+
+def _cut(value: torch.Tensor, cut: Part | None) -> torch.Tensor:
+    return value if cut is None else cut.select(value)
+
+
+def _numel(shape: list[int]) -> int:
+    return math.prod(shape)
+
+
+def noise_floor(exact: Trace, low_precision: Trace) -> dict[str, float]:
+    """Per reference call key: relative L2 error of the reference run at low precision against the same
+    reference run in (near) exact arithmetic (e.g. float64). Both traces must come from the same model."""
+    floors: dict[str, float] = {}
+    low_by_key = {call.key: call for call in low_precision.calls}
+    for call in exact.calls:
+        other = low_by_key.get(call.key)
+        slot = first_tensor_slot(call.outputs, "outputs")
+        if other is None or slot is None:
+            continue
+        node, low = _node_at(call, slot), _node_at(other, slot)
+        if node is None or low is None:
+            continue
+        a, b = exact.tensor(node), low_precision.tensor(low)
+        if a is None or b is None or a.shape != b.shape:
+            continue
+        metrics = divergence(a, b, Tolerance(0.0, 0.0))
+        if math.isfinite(metrics["rel_l2"]):
+            floors[call.key] = metrics["rel_l2"]
+    return floors

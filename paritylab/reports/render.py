@@ -1,0 +1,238 @@
+"""Render a comparison :class:`~paritylab.comparison.report.Report` as a console table, markdown, JSON or HTML."""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import math
+from typing import Any
+
+from paritylab.comparison.report import Report, Row
+from paritylab.tracing.tracefile import display_path, json_safe, printable
+
+_COLUMNS = ("#", "module", "candidate", "status", "verdict", "cause", "rel_l2", "max_abs", "cosine", "input_rel")
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A short number: scientific for small/large magnitudes, ``-`` when absent."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"
+    if 1e-2 <= abs(value) < 1e4:
+        return f"{value:.{digits + 2}g}"
+    return f"{value:.{digits}e}"
+
+
+def _cells(row: Row) -> list[str]:
+    return [
+        str(row.index),
+        display_path(row.path),
+        display_path(row.candidate.key.rsplit("#", 1)[0]) if row.candidate else "-",
+        row.status,
+        row.verdict,
+        row.cause or "",
+        fmt(row.metrics.get("rel_l2")),
+        fmt(row.metrics.get("max_abs")),
+        fmt(row.metrics.get("cosine"), 6) if "cosine" in row.metrics else "-",
+        fmt(row.input_metrics.get("rel_l2")),
+    ]
+
+
+def headline(report: Report) -> str:
+    """One line: the verdict and where divergence starts."""
+    summary = report.summary()
+    if report.errors:
+        side, error = next(iter(report.errors.items()))
+        where = display_path(error.get("module") or "") if error.get("module") is not None else "?"
+        return f"ERROR: the {side} forward raised {error.get('type')} in {where}: {error.get('message')}"
+    if report.verdict == "inconclusive":
+        missing = report.not_compared
+        if not missing:
+            return "INCONCLUSIVE: no aligned module was compared by value (empty or unmatched traces)"
+        reason = missing[0].note or "judged on statistics only"
+        return (
+            f"INCONCLUSIVE: nothing failed, but {len(missing)} aligned modules could not be compared by value "
+            f"(first {display_path(missing[0].path)}: {reason}); not a pass"
+        )
+    decode = summary["decode"] or {}
+    steps = f" and {decode['steps'] - 1} decode steps" if decode else ""
+    if report.passed:
+        rel = fmt(summary["output_rel_l2"])
+        return f"PASS: {summary['passed']} modules within tolerance{steps} (output rel_l2 {rel})"
+    if report.first_divergence is None and decode.get("first_divergence"):
+        token = decode.get("first_token_mismatch")
+        tokens = f"greedy tokens first differ at step {token}" if token is not None else "greedy tokens all agree"
+        where = printable(str(decode["first_divergence"]))
+        return (
+            f"FAIL: the forward agrees, but at decode step {decode['first_failing_step']} divergence starts at "
+            f"{where.split('/', 1)[1]} ({decode.get('culprit_reason')}); {tokens}"
+        )
+    first = report.first_divergence
+    where = display_path(first.path) if first else "?"
+    own = first.local.get("local_rel_l2") if first else None
+    error = f"own error {fmt(own)}" if own is not None else f"rel_l2 {fmt(first.rel_l2 if first else None)}"
+    why = f": {report.culprit_reason}" if report.culprit_reason else ""
+    return (
+        f"FAIL: divergence starts at {where} ({error}){why}; "
+        f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
+    )
+
+
+def to_console(report: Report, limit: int | None = 60) -> str:
+    """A plain-text table of the judged rows (failing ones and their context first when it is long)."""
+    rows = [row for row in report.rows if row.status != "unmatched"]
+    if limit is not None and len(rows) > limit:
+        keep = {row.index for row in rows if row.diverged or row.verdict == "fail"}
+        keep |= {row.index for row in rows[:5]}
+        rows = [row for row in rows if row.index in keep][:limit]
+    table = [list(_COLUMNS)] + [_cells(row) for row in rows]
+    widths = [min(max(len(r[i]) for r in table), 60) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell[:60].ljust(width) for cell, width in zip(r, widths, strict=True)) for r in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
+    lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
+    lines.append(headline(report))
+    inside = operation_line(report)
+    if inside:
+        lines.append(inside)
+    lines.extend(decode_lines(report))
+    return "\n".join(lines)
+
+
+def decode_lines(report: Report) -> list[str]:
+    """One line per decode step: verdict, where it starts, tokens, KL and top-k overlap."""
+    if not report.decode:
+        return []
+    summary = report.decode["summary"]
+    lines = [f"decode steps (teacher-forced on the reference's tokens, top-{summary['top_k']} overlap):"]
+    for step in report.decode["steps"]:
+        where = f" starts at {display_path(step['first_divergence'])}" if step["first_divergence"] is not None else ""
+        lines.append(
+            f"  step {step['step']:>3}: {step['verdict']}{where}; tokens agree {step['token_agreement']:.0%}, "
+            f"KL {fmt(step['kl'])}, top-k {step['top_k_overlap']:.0%}, max |logit diff| {fmt(step['max_abs'])}"
+        )
+    return lines
+
+
+def operation_line(report: Report) -> str | None:
+    """Where, inside the origin module, the candidate's computation leaves the reference's (the drill-down)."""
+    found = report.drilldown
+    if not found or report.first_divergence is None:
+        return None
+    return f"  inside {display_path(report.first_divergence.path)}: {printable(str(found.get('message')))}"
+
+
+def _md_escape(text: str) -> str:
+    """Markdown table text: no raw HTML (MLflow renders descriptions), pipes and backticks neutralised."""
+    return html.escape(text, quote=False).replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+def to_markdown(report: Report, limit: int | None = 200) -> str:
+    """A markdown summary and table, safe to embed in MLflow descriptions and CI comments."""
+    summary = report.summary()
+    lines = [f"**{_md_escape(headline(report))}**", ""]
+    inside = operation_line(report)
+    if inside:
+        lines += [_md_escape(inside.strip()), ""]
+    if report.origins:
+        lines.append("Origins: " + ", ".join(f"`{_md_escape(display_path(r.path))}`" for r in report.origins))
+        lines.append("")
+    lines.append("| " + " | ".join(_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(_COLUMNS))
+    rows = [row for row in report.rows if row.status != "unmatched"]
+    for row in rows[:limit]:
+        lines.append("| " + " | ".join(_md_escape(cell) for cell in _cells(row)) + " |")
+    if limit is not None and len(rows) > limit:
+        lines.append(f"| … | {len(rows) - limit} more rows | | | | | | | | |")
+    lines.append("")
+    decode = decode_lines(report)
+    if decode:
+        lines += [_md_escape(decode[0]), "", *(f"- {_md_escape(line.strip())}" for line in decode[1:]), ""]
+    lines.append(
+        f"{summary['passed']} pass, {summary['failed']} fail, {summary['skipped']} skipped; "
+        f"unmatched: {summary['unmatched_reference']} reference, {summary['unmatched_candidate']} candidate."
+    )
+    return "\n".join(lines)
+
+
+def to_json(report: Report) -> str:
+    """The full report as standard JSON (non-finite numbers spelt as strings)."""
+    return json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False)
+
+
+def to_html(report: Report, title: str = "paritylab report", images: dict[str, str] | None = None) -> str:
+    """A self-contained HTML page from ``templates/report.html.j2``, rendered with autoescape: every name shown
+    is escaped (module names and operation arguments come from user code).
+
+    ``images`` maps captions to SVG documents to embed (paritylab's own plots: trusted markup).
+    """
+    first = report.first_divergence
+    return _template().render(
+        title=title,
+        headline=headline(report),
+        drilldown=report.drilldown,
+        origin=display_path(first.path) if first is not None else "",
+        images=images or {},
+        decode="\n".join(decode_lines(report)),
+        columns=_COLUMNS,
+        rows=[({"fail": "fail", "pass": "pass"}.get(row.verdict, "skip"), _cells(row)) for row in report.rows],
+        summary=json.dumps(json_safe(report.summary()), indent=1),
+    )
+
+
+@functools.cache
+def _template() -> Any:
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    environment = Environment(
+        loader=PackageLoader("paritylab.reports", "templates"), autoescape=select_autoescape(["html", "j2"])
+    )
+    return environment.get_template("report.html.j2")
+
+
+def rows_table(report: Report) -> dict[str, list[Any]]:
+    """Column-oriented rows (for ``mlflow.log_table`` and CSV)."""
+    columns: dict[str, list[Any]] = {
+        "index": [],
+        "module": [],
+        "candidate": [],
+        "status": [],
+        "verdict": [],
+        "cause": [],
+        "source": [],
+        "rel_l2": [],
+        "max_abs": [],
+        "mean_abs": [],
+        "cosine": [],
+        "sqnr_db": [],
+        "frac_outside": [],
+        "input_rel_l2": [],
+        "local_rel_l2": [],
+        "amplification": [],
+        "note": [],
+    }
+    for row in report.rows:
+        columns["index"].append(row.index)
+        columns["module"].append(display_path(row.path))
+        columns["candidate"].append(row.candidate.key if row.candidate else "")
+        columns["status"].append(row.status)
+        columns["verdict"].append(row.verdict)
+        columns["cause"].append(row.cause)
+        columns["source"].append(row.source)
+        for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
+            columns[name].append(_finite(row.metrics.get(name)))
+        columns["input_rel_l2"].append(_finite(row.input_metrics.get("rel_l2")))
+        columns["local_rel_l2"].append(_finite(row.local.get("local_rel_l2")))
+        columns["amplification"].append(_finite(row.local.get("amplification")))
+        columns["note"].append(row.note)
+    return columns
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

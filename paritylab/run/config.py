@@ -1,0 +1,346 @@
+"""Typed schemas of the Hydra configuration, and one-line messages for configuration errors.
+
+``conf/config.yaml`` composes onto :class:`ParityConfig`, so a misspelt key, a wrong type or an unknown
+choice fails at composition. ``build`` nodes hold a ``_target_`` and its keyword arguments; those are
+checked against the target's signature before any model is built (:func:`check_targets`).
+Configs with ``_target_`` import and run code: trust them as you trust code.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.resources
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(str(importlib.resources.files("paritylab.conf")))
+"""paritylab's shipped configuration (the checkout's top-level ``conf/``, installed as ``paritylab.conf``)."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the key and the fix."""
+
+
+class CandidateKind(enum.StrEnum):
+    port = "port"
+    dtype = "dtype"
+    attention = "attention"
+    compiled = "compiled"
+    target = "target"
+
+
+class NoiseFloor(enum.StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class Resident(enum.StrEnum):
+    auto = "auto"
+    both = "both"
+    one = "one"
+
+
+class LogTensors(enum.StrEnum):
+    on_failure = "on_failure"
+    always = "always"
+    never = "never"
+
+
+class InputKind(enum.StrEnum):
+    synthetic = "synthetic"
+    processor = "processor"
+    file = "file"
+
+
+class DType(enum.StrEnum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class CallConfig:
+    """How a side's forward receives the named inputs; unset: read from the forward's signature."""
+
+    args: list[str] = field(default_factory=list)
+    """Input names passed positionally, in order (``[input_ids]`` for ``forward(idx)``)."""
+    kwargs: dict[str, str] = field(default_factory=dict)
+    """Forward parameter -> input name (``{tokens: input_ids}``). With neither set, the forward's
+    signature decides."""
+    drop: list[str] = field(default_factory=list)
+    """Inputs this side does not take."""
+    cast: bool = True
+    """Cast floating-point inputs to the side's parameter dtype."""
+
+
+@dataclass
+class ModelConfig:
+    """The reference model."""
+
+    name: str = MISSING
+    family: str = MISSING
+    """Input layout and port lookup key: ``llava``, ``llama`` or ``generic`` (token ids only)."""
+    build: dict[str, Any] = MISSING
+    """``_target_`` returning an ``nn.Module`` plus its keyword arguments (e.g. ``pretrained``)."""
+    call: CallConfig = field(default_factory=CallConfig)
+
+
+@dataclass
+class PortConfig:
+    build: dict[str, Any] = MISSING
+    """``_target_`` taking ``reference=`` and returning the port."""
+    rules: str | None = None
+    weight_map: str | None = None
+
+
+@dataclass
+class CandidateConfig:
+    """A port, a variant of the reference (dtype, attention kernel, torch.compile), or any callable."""
+
+    name: str = MISSING
+    kind: CandidateKind = MISSING
+    dtype: DType | None = None
+    attn_implementation: str | None = None
+    backend: str = "inductor"
+    build: dict[str, Any] | None = None
+    rules: str | None = None
+    weight_map: str | None = None
+    ports: dict[str, PortConfig] = field(default_factory=dict)
+    call: CallConfig = field(default_factory=CallConfig)
+
+
+@dataclass
+class InputsConfig:
+    kind: InputKind = InputKind.synthetic
+    batch_size: int = 1
+    prompt_length: int = 16
+    seed: int = 0
+    image: str | None = None
+    """Image file for ``kind=processor`` (default: the sample image shipped with paritylab)."""
+    prompt: str = "USER: <image>\nWhat is shown in this image? ASSISTANT:"
+    path: str | None = None
+    """``kind=file``: a safetensors file of named tensors (``input_ids``, ``pixel_values``, ...)."""
+
+
+@dataclass
+class CompareConfig:
+    rtol: float | None = None
+    atol: float | None = None
+    modules: dict[str, Any] = field(default_factory=dict)
+    """Per-module-path-pattern tolerance overrides: ``{pattern: {rtol:, atol:}}`` (fnmatch on reference
+    paths; values are checked when the run starts, with a one-line error)."""
+    rules: str | None = None
+    """Extra alignment rules YAML, applied before the candidate's own."""
+    alignment: str | None = "baseline"
+    """The alignment to pin (the only pairs used, so nightly runs never re-pair modules; a pinned pair whose
+    candidate call is gone fails its row): ``baseline`` (the pair's baseline run's, when it has one),
+    ``fresh`` (align anew), or a file (``report/alignment.yaml`` of an earlier run)."""
+    replay: bool = True
+    drilldown: bool = True
+    """On a failing run, record the origin module's call operation by operation on both sides and name the
+    first operation that differs (:mod:`paritylab.comparison.drilldown`)."""
+    noise_floor: NoiseFloor = NoiseFloor.auto
+    noise_multiple: float = 4.0
+    save_tensors: bool = True
+    max_bytes: int | None = None
+    """Byte budget for saved tensor values per trace (stats continue past it)."""
+    capture: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None
+    """MLflow tracking URI; default ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the working directory."""
+    experiment: str = "paritylab"
+    timeout: float = 10.0
+    """Seconds an HTTP request to a tracking server may take."""
+    retries: int = 1
+    log_tensors: LogTensors = LogTensors.on_failure
+    """Upload the traces' safetensors shards as artifacts: ``on_failure`` (a run that does not pass, or
+    regresses), ``always`` or ``never``. JSON, reports, statistics and plots are always uploaded; the shards
+    stay in the run directory either way."""
+    regression_factor: float = 2.0
+    """A layer regressed when its error grew by more than this factor over the baseline's ..."""
+    regression_floor: float = 1e-6
+    """... and exceeds this absolute relative error (changes at noise level never fire)."""
+    trend: bool = False
+    """Also log per-layer divergence to the pair's long-lived trend run (scheduled runs: the nightly preset
+    sets it). Each point is stamped with the run's start time, so MLflow's time axis reads as dates."""
+
+
+@dataclass
+class GenerateConfig:
+    """Decode-step parity (:mod:`paritylab.run.generate`): after the forward, ``steps`` greedy decode steps with a
+    KV cache on both sides, teacher-forced on the reference's tokens; 0 turns it off."""
+
+    steps: int = 0
+    top_k: int = 5
+    """The top-k overlap of the two sides' next-token distributions is measured over this many tokens."""
+
+
+@dataclass
+class ParityConfig:
+    model: ModelConfig = MISSING
+    candidate: CandidateConfig = MISSING
+    inputs: InputsConfig = field(default_factory=InputsConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    device: str = "auto"
+    dtype: DType = DType.float32
+    seed: int = 0
+    resident: Resident = Resident.auto
+    """``one``: each traced model's weights move to a memory-mapped file before the next model is built, so
+    the run needs memory for the larger model rather than both; ``both`` keeps them in memory; ``auto``:
+    ``one`` when the reference takes over a quarter of the available memory."""
+    output_dir: str | None = None
+    """Where traces and reports go; default: Hydra's run directory."""
+
+
+def register() -> None:
+    """Register the schema as ``parity_schema`` (the first default of ``conf/config.yaml``)."""
+    ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Every required value is set (no ``???`` left)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required but not set: pass {missing[0]}=<value> (or choose a preset)")
+
+
+TRACKING_SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Values that would fail late, checked before any model is built: tolerances, per-module patterns,
+    the tracking URI and the output directory. Each failure is one line naming the key and the fix."""
+    from urllib.parse import urlparse
+
+    from paritylab.comparison.metrics import Tolerances
+
+    compare = cfg.compare
+    for key in ("rtol", "atol"):
+        value = compare.get(key)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"compare.{key}={value} must be zero or positive (null: torch's default for the dtype)")
+    if not compare.noise_multiple > 0:
+        raise ConfigError(f"compare.noise_multiple={compare.noise_multiple} must be positive (default 4)")
+    generate = cfg.get("generate")
+    if generate is not None and (generate.steps < 0 or generate.top_k < 1):
+        raise ConfigError(
+            f"generate.steps={generate.steps} generate.top_k={generate.top_k}: steps must be 0 (off) or more, "
+            "top_k 1 or more"
+        )
+    try:
+        tolerances = Tolerances.from_config(OmegaConf.to_container(compare, resolve=True))  # type: ignore[arg-type]
+    except ValueError as error:
+        raise ConfigError(f"compare.modules: {error}") from error
+    for override in tolerances.overrides:
+        for key in ("rtol", "atol"):
+            value = getattr(override, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"compare.modules.{override.pattern}.{key}={value} must be zero or positive")
+    uri = cfg.tracking.uri
+    if cfg.tracking.enabled and uri:
+        scheme = urlparse(str(uri)).scheme.split("+")[0]
+        if scheme not in TRACKING_SCHEMES and not (len(scheme) == 1 and scheme.isalpha()):  # C:\ on Windows
+            raise ConfigError(
+                f"tracking.uri={uri!r}: unsupported scheme {scheme!r}; use sqlite:///mlflow.db, a directory, "
+                "http(s)://host:port of an MLflow server, or tracking=off"
+            )
+    if cfg.output_dir:
+        check_writable("output_dir", Path(str(cfg.output_dir)))
+
+
+def check_writable(key: str, directory: Path) -> None:
+    """``directory`` exists as a writable directory, or can be created."""
+    import os
+
+    existing = directory.expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{key}={str(directory)!r}: {str(existing)!r} is a file, not a directory; choose another path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(directory)!r}: {str(existing)!r} is not writable; choose a writable directory")
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Import every ``_target_`` and check its keyword arguments, before anything is built."""
+    check_complete(cfg)
+    check_settings(cfg)
+    family, ports = str(cfg.model.family), cfg.candidate.ports or {}
+    if str(cfg.candidate.kind) == "port" and family not in ports:
+        available = ", ".join(sorted(ports)) or "none"
+        raise ConfigError(
+            f"candidate=port: no port of a {family!r} model; ports exist for: {available} "
+            "(add one under candidate.ports, or choose another candidate)"
+        )
+    nodes = [("model.build", cfg.model.build)]
+    if cfg.candidate.build is not None:
+        nodes.append(("candidate.build", cfg.candidate.build))
+    for family, port in (cfg.candidate.ports or {}).items():
+        nodes.append((f"candidate.ports.{family}.build", port.build))
+    for key, node in nodes:
+        check_target(key, OmegaConf.to_container(node, resolve=True), allowed_extra=("reference",))
+
+
+def check_target(key: str, node: Any, allowed_extra: tuple[str, ...] = ()) -> None:
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise ConfigError(f"{key} needs a _target_ (a dotted path to a callable returning an nn.Module)")
+    target = resolve_target(key, str(node["_target_"]))
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    parameters = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(node) - {"_target_", "_partial_", "_recursive_", "_convert_"} - set(parameters))
+    if unknown:
+        known = ", ".join(name for name in parameters if name not in allowed_extra)
+        raise ConfigError(f"{key}.{unknown[0]}: {node['_target_']} takes no argument {unknown[0]!r}; it takes: {known}")
+
+
+def resolve_target(key: str, dotted: str) -> Any:
+    """Import ``package.module.attribute``; a one-line error says what could not be found."""
+    module_name, _, attribute = dotted.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{key}._target_={dotted!r} is not a dotted path like 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"{key}._target_={dotted!r}: cannot import {module_name!r} ({error}); check the spelling or install it"
+        ) from error
+    if not hasattr(module, attribute):
+        raise ConfigError(f"{key}._target_={dotted!r}: {module_name} has no attribute {attribute!r}")
+    return getattr(module, attribute)
+
+
+def one_line(error: BaseException) -> str:
+    """A configuration error (Hydra, OmegaConf, ours) as one line naming the key and the fix."""
+    if isinstance(error, ConfigError):
+        return str(error)
+    parts: list[str] = []
+    current: BaseException | None = error
+    while current is not None and len(parts) < 3:
+        lines = [line.strip() for line in str(current).splitlines() if line.strip()]
+        text = "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type", "reference_type")))
+        if text and text not in parts:
+            parts.append(text)
+        current = current.__cause__ or current.__context__
+    message = ": ".join(parts) or type(error).__name__
+    return f"{message} (see the valid keys and choices with: python -m paritylab --cfg job)"

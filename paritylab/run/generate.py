@@ -1,0 +1,262 @@
+"""Decode-step parity: greedy decoding with a KV cache on both sides, teacher-forced on the reference's tokens.
+
+Step 0 is the prompt (prefill); every later step feeds one token, the reference's greedy choice of the step
+before, to both sides, each with its own cache: transformers' ``past_key_values`` for transformers models, or
+``cache=`` with the model's ``new_cache()`` (our LLaVA port). Both sides therefore see the same tokens at every
+step, so every step stays comparable even after their greedy choices part, and a bug that only bites with a
+cache (a position offset from step 2, a stale cache update, a wrong decode mask) shows at the step where it
+starts. Each step is traced on both sides (``steps/<n>/reference`` and ``.../candidate``) and compared module by
+module; the last position's logits give the step's token agreement, KL divergence, top-k overlap and largest
+absolute difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.comparison.alignment import Rule, parse_rules
+from paritylab.comparison.metrics import Tolerances
+from paritylab.comparison.report import Report, compare_traces
+from paritylab.reports.plots import LAYER, heatmap, layer_label
+from paritylab.run.config import ConfigError
+from paritylab.run.workload import CallSpec
+from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.tracer import TraceOptions, Tracer
+
+STEPS_DIR = "steps"
+
+
+@dataclass
+class Step:
+    """One decode step, compared."""
+
+    step: int
+    verdict: str
+    first_divergence: str | None
+    """The module where divergence starts at this step (free run)."""
+    culprit_reason: str
+    output_rel_l2: float | None
+    token_agreement: float
+    """Fraction of the batch whose greedy token is the same on both sides."""
+    kl: float
+    """Mean KL divergence of the candidate's next-token distribution from the reference's (nats)."""
+    top_k_overlap: float
+    max_abs: float
+    reference_tokens: list[int]
+    candidate_tokens: list[int]
+    layers: dict[str, float] = field(default_factory=dict)
+    """Relative L2 error per numbered layer (``language_model.layers.1``)."""
+    failing: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"step{self.step}/{self.first_divergence}" if self.first_divergence is not None else ""
+
+
+@dataclass
+class Generation:
+    """Every step of a generate run and where, over all of them, divergence starts."""
+
+    steps: list[Step]
+    top_k: int
+    reference_style: str
+    candidate_style: str
+
+    @property
+    def verdict(self) -> str:
+        verdicts = {step.verdict for step in self.steps}
+        for verdict in ("error", "fail", "inconclusive"):
+            if verdict in verdicts:
+                return verdict
+        return "pass" if self.steps else "inconclusive"
+
+    @property
+    def first_failing(self) -> Step | None:
+        return next((step for step in self.steps if step.verdict in ("fail", "error")), None)
+
+    @property
+    def first_token_mismatch(self) -> int | None:
+        return next((step.step for step in self.steps if step.token_agreement < 1.0), None)
+
+    def summary(self) -> dict[str, Any]:
+        first = self.first_failing
+        return {
+            "verdict": self.verdict,
+            "steps": len(self.steps),
+            "first_failing_step": first.step if first else None,
+            "first_divergence": first.key if first else None,
+            "culprit_reason": first.culprit_reason if first else "",
+            "first_token_mismatch": self.first_token_mismatch,
+            "top_k": self.top_k,
+            "reference_cache": self.reference_style,
+            "candidate_cache": self.candidate_style,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "steps": [asdict(step) for step in self.steps]}
+
+
+class _Side:
+    """One side's model, call and cache."""
+
+    def __init__(self, model: nn.Module, spec: CallSpec, name: str) -> None:
+        self.model, self.spec, self.name = model, spec, name
+        inner = getattr(model, "_orig_mod", model)
+        try:
+            parameters = inspect.signature(inner.forward).parameters
+        except (TypeError, ValueError):
+            parameters = {}  # type: ignore[assignment]
+        if "past_key_values" in parameters:
+            self.style = "past_key_values"
+        elif "cache" in parameters and callable(getattr(inner, "new_cache", None)):
+            self.style = "cache"
+        else:
+            raise ConfigError(
+                f"generate: the {name}'s {type(inner).__name__}.forward takes neither past_key_values (transformers) "
+                "nor cache= with a new_cache() method on the model; give it one of them, or set generate.steps=0"
+            )
+        self.state: Any = getattr(inner, "new_cache")() if self.style == "cache" else None  # noqa: B009
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
+        present = CallSpec(
+            tuple(name for name in self.spec.args if name in inputs),
+            {parameter: name for parameter, name in self.spec.kwargs.items() if name in inputs},
+            self.spec.cast,
+        )
+        extra: dict[str, Any] = (
+            {"past_key_values": self.state, "use_cache": True}
+            if self.style == "past_key_values"
+            else {"cache": self.state}
+        )
+        return present.bind(inputs, extra)
+
+    def absorb(self, output: Any) -> None:
+        if self.style == "past_key_values":
+            state = getattr(output, "past_key_values", None)
+            if state is None:
+                raise ConfigError(
+                    f"generate: the {self.name} returned no past_key_values; it cannot decode with a cache"
+                )
+            self.state = state
+
+
+def generate_parity(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    reference_spec: CallSpec,
+    candidate_spec: CallSpec,
+    directory: Path,
+    steps: int,
+    *,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    top_k: int = 5,
+    echo: Callable[[str], None] = lambda _: None,
+) -> Generation:
+    """Prefill plus ``steps`` decode steps on both sides, each traced and compared (see the module docstring)."""
+    if "input_ids" not in inputs:
+        raise ConfigError("generate needs token ids: the inputs have no input_ids (a vision-only model cannot decode)")
+    sides = _Side(reference, reference_spec, "reference"), _Side(candidate, candidate_spec, "candidate")
+    fed: dict[str, torch.Tensor] = dict(inputs)
+    mask = inputs.get("attention_mask")
+    pinned: list[Rule] | None = None
+    done: list[Step] = []
+    for number in range(steps + 1):
+        folder = directory / STEPS_DIR / str(number)
+        outputs, traces = [], []
+        for side in sides:
+            output, trace = _traced(side, fed, folder / side.name)
+            outputs.append(output)
+            traces.append(trace)
+        if number == 0:
+            report = compare_traces(traces[0], traces[1], rules=rules, tolerances=tolerances)
+        else:
+            report = compare_traces(
+                traces[0], traces[1], rules=pinned or rules, tolerances=tolerances, pinned=bool(pinned)
+            )
+            if pinned is None:  # decode steps share one structure: pair them once
+                pinned = _frozen(report)
+        logits = [_last_logits(output) for output in outputs]
+        done.append(_step(number, report, logits[0], logits[1], top_k))
+        echo(f"paritylab: decode step {number}: {done[-1].verdict}, tokens agree {done[-1].token_agreement:.0%}")
+        token = logits[0].argmax(dim=-1, keepdim=True).to(fed["input_ids"].dtype)
+        fed = {"input_ids": token}
+        if mask is not None:  # the mask covers every token so far, cached and new
+            mask = fed["attention_mask"] = torch.cat([mask, torch.ones_like(token, dtype=mask.dtype)], dim=-1)
+    return Generation(done, top_k, sides[0].style, sides[1].style)
+
+
+def _traced(side: _Side, inputs: Mapping[str, torch.Tensor], directory: Path) -> tuple[Any, Trace]:
+    call = side.run(inputs)
+    with torch.no_grad(), Tracer(side.model, directory, TraceOptions(save_tensors=True, capture=None)):
+        output = call(side.model)
+    side.absorb(output)
+    return output, Trace.load(directory)
+
+
+def _frozen(report: Report) -> list[Rule]:
+    import yaml
+
+    return parse_rules(yaml.safe_load(report.alignment.to_yaml()))
+
+
+def _last_logits(output: Any) -> torch.Tensor:
+    """The last position's logits, ``[batch, vocab]`` in float64."""
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, tuple | list):
+        logits = next((item for item in output if isinstance(item, torch.Tensor)), None)
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        raise ConfigError(
+            "generate: a side's output has no logits (a .logits field, or a [batch, tokens, vocab] tensor)"
+        )
+    return (logits[:, -1] if logits.dim() == 3 else logits).detach().to(torch.float64)
+
+
+def _step(number: int, report: Report, reference: torch.Tensor, candidate: torch.Tensor, top_k: int) -> Step:
+    summary = report.summary()
+    log_p, log_q = torch.log_softmax(reference, dim=-1), torch.log_softmax(candidate, dim=-1)
+    kl = float((log_p.exp() * (log_p - log_q)).sum(dim=-1).mean())
+    k = min(top_k, reference.shape[-1])
+    ours, theirs = reference.topk(k, dim=-1).indices, candidate.topk(k, dim=-1).indices
+    overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ours, theirs, strict=True))
+    tokens = reference.argmax(dim=-1), candidate.argmax(dim=-1)
+    layers = {}
+    for row in report.rows:
+        match = LAYER.match(row.path)
+        if match and row.rel_l2 is not None:
+            layers[row.path] = row.rel_l2
+    return Step(
+        step=number,
+        verdict=report.verdict,
+        first_divergence=report.first_divergence.path if report.first_divergence is not None else None,
+        culprit_reason=report.culprit_reason,
+        output_rel_l2=summary["output_rel_l2"],
+        token_agreement=float((tokens[0] == tokens[1]).double().mean()),
+        kl=max(kl, 0.0) if math.isfinite(kl) else math.inf,  # rounding can make it a hair below zero
+        top_k_overlap=overlap / (k * reference.shape[0]),
+        max_abs=float((reference - candidate).abs().max()),
+        reference_tokens=tokens[0].tolist(),
+        candidate_tokens=tokens[1].tolist(),
+        layers=layers,
+        failing=summary["failed"],
+    )
+
+
+def step_heatmap(generation: Generation) -> str:
+    """Layer × decode step, log10 of each layer's relative error."""
+    layers = list(dict.fromkeys(path for step in generation.steps for path in step.layers))
+    labels = [layer_label(path) for path in layers]
+    matrix = [[math.log10(max(step.layers.get(path, 0.0), 1e-12)) for step in generation.steps] for path in layers]
+    columns = [f"step {step.step}" for step in generation.steps]
+    return heatmap(labels, columns, matrix, "log10 relative error per layer and decode step")

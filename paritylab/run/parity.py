@@ -1,0 +1,183 @@
+"""The parity check as plain functions: trace both sides, estimate noise floors, compare, replay.
+
+>>> report = paritylab.check(reference, candidate, "runs/gpt2", reference_call=lambda m: m(ids),
+...                          candidate_call=lambda m: m(ids))
+>>> report.first_divergence.path if report.first_divergence else "parity holds"
+
+Each phase is a function returning a value; :func:`check` chains them. The Hydra app runs the same
+functions, so the numbers a script gets are the numbers a configured run gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paritylab.comparison.alignment import Alignment, Rule, align
+from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
+from paritylab.comparison.replay import attach_replay, isolated_replay
+from paritylab.comparison.report import Report, compare_traces, primary_output
+from paritylab.comparison.report import noise_floor as free_run_floor
+from paritylab.run.resident import converted_copy
+from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.tracer import TraceOptions, Tracer
+
+Call = Callable[[nn.Module], Any]
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Floors:
+    """Numerical noise floors of the reference at a low precision, per reference call key.
+
+    ``free_run``: the whole reference at low precision against float64 (errors accumulated up to each
+    module). ``local_metrics``: each reference module at low precision fed the reference's own inputs (its
+    own error alone), the yardstick for a candidate module's isolated-replay error.
+    """
+
+    dtype: torch.dtype
+    free_run: dict[str, float]
+    local_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The reference's own low-precision replay metrics per call key (``rel_l2``, ``scale_err``, ...)."""
+
+
+def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
+    """Trace ``call(model)`` into ``directory`` (tensors saved) and return the trace read back lazily."""
+    options.setdefault("save_tensors", True)
+    with Tracer(model, directory, TraceOptions(**options)):
+        call(model)
+    return Trace.load(directory)
+
+
+def low_precision(*models: nn.Module) -> torch.dtype | None:
+    """The lowest floating-point precision among the models' parameters (bfloat16/float16), if any."""
+    for model in models:
+        for parameter in model.parameters():
+            if parameter.dtype in LOW_PRECISION:
+                return parameter.dtype
+    return None
+
+
+def estimate_floors(
+    reference: nn.Module,
+    call: Call,
+    reference_trace: Trace,
+    dtype: torch.dtype,
+    directory: Path,
+    cast_inputs: Callable[[torch.dtype], Call] | None = None,
+    low_trace: Trace | None = None,
+) -> Floors:
+    """The reference's free-run and local noise floors at ``dtype`` (see :class:`Floors`).
+
+    ``cast_inputs(dtype)`` gives the call that runs a copy of the reference in ``dtype`` (floating-point
+    inputs cast); by default ``call`` itself is used for every copy. ``low_trace``: the reference's trace at
+    ``dtype`` when it exists already (a candidate that is the reference cast to ``dtype``); then only the free
+    run's floor is estimated here, and the local floors come from that candidate's own isolated replay
+    (:func:`local_floors`), which is the same computation.
+    """
+    runner = cast_inputs or (lambda _: call)
+    exact_model = converted_copy(reference, torch.float64)
+    exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
+    del exact_model
+    if low_trace is not None:
+        return Floors(dtype, free_run_floor(exact, low_trace))
+    low_model = converted_copy(reference, dtype)
+    low = trace_model(low_model, runner(dtype), directory / "noise-low", capture=None)
+    alignment = align(reference_trace, low)
+    replayed = isolated_replay(
+        low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
+    )
+    return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment))
+
+
+def local_floors(reference_trace: Trace, replayed: Trace, alignment: Alignment) -> dict[str, dict[str, float]]:
+    """Per reference call key, the metrics of a low-precision copy's isolated replay against the reference."""
+    local_metrics: dict[str, dict[str, float]] = {}
+    for pair in alignment.pairs:
+        ref_call, own = reference_trace.call(pair.reference), replayed.call(pair.candidate)
+        ref_value, own_value = primary_output(reference_trace, ref_call), primary_output(replayed, own)
+        if ref_value is None or own_value is None or ref_value.shape != own_value.shape:
+            continue
+        metrics = divergence(ref_value, own_value, Tolerance(0.0, 0.0))
+        if metrics["rel_l2"] == metrics["rel_l2"]:  # not NaN
+            local_metrics[pair.reference] = metrics
+    return local_metrics
+
+
+def check(
+    reference: nn.Module,
+    candidate: nn.Module,
+    directory: str | Path,
+    *,
+    reference_call: Call,
+    candidate_call: Call | None = None,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    noise_floor: str = "auto",
+    noise_multiple: float = 4.0,
+    replay: bool = True,
+    cast_inputs: Callable[[torch.dtype], Call] | None = None,
+) -> Report:
+    """Trace both models, compare them module by module and name where divergence starts.
+
+    ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
+    to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
+    is judged against the reference's own error at that precision.
+    """
+    directory = Path(directory)
+    candidate_call = candidate_call or reference_call
+    reference_trace = trace_model(reference, reference_call, directory / "reference")
+    candidate_trace = trace_model(candidate, candidate_call, directory / "candidate")
+    dtype = low_precision(reference, candidate)
+    floors = None
+    if noise_floor == "on" or (noise_floor == "auto" and dtype is not None):
+        floors = estimate_floors(
+            reference, reference_call, reference_trace, dtype or torch.bfloat16, directory, cast_inputs
+        )
+    return compare_and_replay(
+        reference_trace,
+        candidate_trace,
+        candidate if replay else None,
+        candidate_call,
+        directory,
+        rules=rules,
+        tolerances=tolerances,
+        floors=floors,
+        noise_multiple=noise_multiple,
+    )
+
+
+def compare_and_replay(
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    candidate: nn.Module | None,
+    candidate_call: Call,
+    directory: Path,
+    *,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    floors: Floors | None = None,
+    noise_multiple: float = 4.0,
+) -> Report:
+    """Compare two traces, then (given the candidate model) replay it on the reference's values."""
+    report = compare_traces(
+        reference_trace,
+        candidate_trace,
+        rules=rules,
+        tolerances=tolerances,
+        noise_floor=floors.free_run if floors else None,
+        noise_multiple=noise_multiple,
+    )
+    if candidate is None or report.errors or not report.alignment.pairs:
+        return report
+    replayed = isolated_replay(
+        candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
+    )
+    local = floors.local_metrics if floors else None
+    attach_replay(report, reference_trace, replayed, tolerances, local)
+    return report

@@ -1,0 +1,945 @@
+"""The parity run: build reference and candidate, trace both, compare, report, log to MLflow.
+
+Every phase writes its results to the run directory before the next starts, so a failure at any point
+leaves everything produced so far on disk, and it is logged to MLflow with the run marked FAILED (or
+KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from paritylab.comparison.alignment import Rule, load_rules
+from paritylab.comparison.metrics import Tolerances
+from paritylab.comparison.report import Report, compare_traces
+from paritylab.reports.plots import LAYER, layer_rows, trend_heatmap, write_plots
+from paritylab.reports.render import headline, rows_table, to_console, to_html, to_json, to_markdown
+from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
+from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
+from paritylab.run.inputs import build_inputs
+from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision
+from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
+from paritylab.run.workload import CallSpec, infer_call
+from paritylab.sink.history import (
+    FINGERPRINT,
+    Regression,
+    assess,
+    find_baseline,
+    layer_errors,
+    next_trend_step,
+    pair_fingerprint,
+    trend_run,
+)
+from paritylab.sink.publish import RUN_UID, RunRecord, publish
+from paritylab.sink.sweep import close_stale_runs, process_start, sweep_state
+from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten, metric_key
+from paritylab.tracing.tracefile import Trace, display_path, write_json
+from paritylab.tracing.tracer import TraceOptions, Tracer
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
+RESIDENT_DIR = ".resident"
+"""Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so the run can be closed as KILLED with what it produced."""
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    directory: Path
+    report: Report | None = None
+    run_id: str | None = None
+    error: str | None = None
+    tracking_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[str], None] = print) -> RunResult:
+    """Run one parity comparison as configured; never raises for bad input or a failing forward."""
+    out = Path(directory or cfg.output_dir or _hydra_dir() or _default_dir(cfg)).resolve()
+    try:
+        check_writable("output directory", out)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as error:
+        message = one_line(error) if isinstance(error, ConfigError) else f"cannot create {out}: {error}"
+        echo(f"paritylab: {message}")
+        return RunResult(EXIT_ERROR, out, error=message)
+    (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier run in this directory is not ours
+    try:
+        check_targets(cfg)
+        _device(cfg)
+    except ConfigError as error:
+        echo(f"paritylab: {one_line(error)}")
+        write_json(out / "run.json", {"exit_code": EXIT_ERROR, "verdict": "error", "error": one_line(error)}, indent=1)
+        return RunResult(EXIT_ERROR, out, error=str(error))
+    session = _Session(cfg, out, echo)
+    with _sigterm_as_interrupt():
+        return session.execute()
+
+
+class _Session:
+    """One run: its directory, tracker and the state the phases hand each other."""
+
+    def __init__(self, cfg: DictConfig, directory: Path, echo: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.directory = directory
+        self.echo = echo
+        self.device = _device(cfg)
+        self.tracker: Tracker = Tracker()
+        self.tracking_error: str | None = None
+        self.report: Report | None = None
+        self.notes: list[str] = []
+        self.started = time.perf_counter()
+        self.regression: Regression | None = None
+        self.sweep = sweep_state()
+        self.floors_from_replay = False
+        self.timings: dict[str, float] = {}
+        """Seconds per phase, in order (``startup``: from the process start to the run's start)."""
+        age = process_age()
+        if age is not None and not self.sweep:
+            self.timings["startup"] = age
+        self._clock = time.perf_counter()
+
+    def _mark(self, phase: str) -> None:
+        """The time since the previous mark belongs to ``phase``."""
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self._clock
+        self._clock = now
+
+    def execute(self) -> RunResult:
+        status, code, error = "FINISHED", EXIT_PASS, None
+        # MLflow's set-up runs first, not beside the phases: a thread was measured slower (both import Python
+        # code under one GIL: the reference's build took 8.6 s instead of 2.8 s).
+        try:
+            self._start_tracking()
+        except Exception as failure:  # a bug in tracking set-up must not take the parity run down
+            self.tracking_error = f"tracking set-up failed: {type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: {self.tracking_error}")
+        self._mark("tracking start")
+        try:
+            code = self._phases()
+        except KeyboardInterrupt:
+            status, code, error = "KILLED", EXIT_INTERRUPTED, "interrupted"
+            self.echo("paritylab: interrupted; logging what was produced")
+        except ConfigError as failure:
+            status, code, error = "FAILED", EXIT_ERROR, one_line(failure)
+            self.echo(f"paritylab: {error}")
+        except Exception as failure:  # a forward or a build raised: keep and log everything produced
+            status, code, error = "FAILED", EXIT_ERROR, f"{type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: error: {error}")
+        if self.report is not None and self.report.errors:
+            status, code = "FAILED", EXIT_ERROR
+        shutil.rmtree(self.directory / RESIDENT_DIR, ignore_errors=True)  # mapped weights stay valid until unmapped
+        self._mark("report")
+        try:
+            self._finish_tracking(status, error)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while publishing: the results are on disk; say so, exit 130
+            with _signals_ignored():
+                self.tracking_error = "interrupted while publishing to MLflow"
+                self.echo(f"paritylab: {self.tracking_error}; the run is marked KILLED")
+                with suppress(Exception):
+                    self.tracker.end("KILLED")
+                self._keep_for_upload()
+                status, code, error = "KILLED", EXIT_INTERRUPTED, error or "interrupted while publishing"
+        except Exception as failure:  # a full disk, a bug: what is on disk stays; the MLflow run is not left RUNNING
+            self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
+            self.echo(f"paritylab: {self.tracking_error}")
+            with suppress(Exception):
+                self.tracker.end("FAILED")
+        if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
+            code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
+        if code == EXIT_PASS and self.regression is not None and self.regression.regressed:
+            code = EXIT_FAIL
+        self._mark("publish")
+        self.echo("paritylab: seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in self.timings.items()))
+        with _signals_ignored():  # a second signal must not lose the summary
+            try:
+                self._write_run_summary(status, code, error)
+            except OSError as failure:  # a full disk: say so in one line; the exit code still tells
+                self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
+                code = code if code != EXIT_PASS else EXIT_ERROR
+        return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
+
+    def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
+        """``run.json``: the outcome in one small file (sweeps summarise these)."""
+
+        report = self.report
+        summary = {
+            "model": str(self.cfg.model.name),
+            "candidate": str(self.cfg.candidate.name),
+            "status": status,
+            "exit_code": code,
+            "verdict": _verdict(report, status),
+            "first_divergence": report.summary()["first_divergence"] if report is not None else None,
+            "regression": self.regression.verdict if self.regression else None,
+            "regressed_layers": self.regression.regressed if self.regression else [],
+            "run_id": self.tracker.run_id,
+            "link": self.tracker.link(),
+            "error": error,
+            "tracking_error": self.tracking_error,
+            "notes": self.notes,
+            "seconds": {phase: round(value, 3) for phase, value in self.timings.items()},
+        }
+        write_json(self.directory / "run.json", summary, indent=1)
+
+    # -- phases ---------------------------------------------------------------------------------------------
+
+    def _phases(self) -> int:
+        cfg = self.cfg
+        torch.manual_seed(int(cfg.seed))
+        self.echo(f"paritylab: {cfg.model.name} vs {cfg.candidate.name} on {self.device} -> {self.directory}")
+        reference = self._build_reference()
+        inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
+        inputs = {key: value.to(self.device) for key, value in inputs.items()}
+        ref_run = self._bind("model", reference, inputs)
+        self._mark("build reference")
+        ref_trace = self._trace("reference", reference, ref_run)
+        self._mark("trace reference")
+        one_resident = self._one_resident(reference)
+        if one_resident:
+            self._offload("reference", reference)
+        candidate = build_candidate(cfg.candidate, cfg.model.family, reference)
+        candidate.model.to(self.device)
+        self._note_weights(candidate)
+        cand_run = self._bind("candidate", candidate.model, inputs)
+        self._mark("build candidate")
+        cand_trace = self._trace("candidate", candidate.model, cand_run)
+        self._mark("trace candidate")
+        if one_resident:
+            self._offload("candidate", candidate.model)
+        floors = self._noise_floor(reference, candidate, ref_run, ref_trace, cand_trace)
+        self._mark("noise floor")
+        rules = self._rules(candidate)
+        tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
+        self.echo("paritylab: comparing")
+        frozen = self._frozen_alignment()
+        pinned = frozen is not None
+        if frozen is not None:
+            rules = load_rules(frozen)
+        report = compare_traces(
+            ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors.free_run if floors else None,
+            noise_multiple=float(cfg.compare.noise_multiple), pinned=pinned,
+        )  # fmt: skip
+        self.report = report
+        self._write_report()
+        self._mark("compare")
+        if cfg.compare.replay and not report.errors and report.alignment.pairs:
+            self._replay(candidate.model.to(self.device), cand_run, ref_trace, cand_trace, tolerances, floors)
+            self._write_report()
+            self._mark("replay")
+        if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
+            self._drill_down(reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
+            self._mark("drill-down")
+        if int(cfg.generate.steps) > 0 and not report.errors:
+            self._generate(reference, candidate.model, inputs, rules, tolerances)
+            self._mark("generate")
+        self.echo(to_console(report))
+        return EXIT_CODES[report.verdict]
+
+    def _frozen_alignment(self) -> Path | None:
+        """The alignment to pin: ``compare.alignment=<file>``; by default (``baseline``) the alignment of the
+        pair's baseline run in MLflow, so runs of one pair never re-pair modules (a module paired then and
+        missing now fails its row); ``fresh`` aligns anew."""
+        choice = str(self.cfg.compare.alignment or "baseline")
+        if choice not in ("baseline", "fresh"):
+            return Path(resolve_path(choice))
+        tracker = self.tracker
+        if choice == "fresh" or not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
+            return None
+        fingerprint = self.record.tags[FINGERPRINT]
+        try:
+            experiment = tracker.ensure_experiment()
+            baseline = tracker.call(
+                "find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id
+            )
+            if baseline is None:
+                return None
+            target = self.directory / "baseline"
+            target.mkdir(exist_ok=True)
+            path = tracker.call(
+                "download the baseline's alignment",
+                tracker.client.download_artifacts,
+                baseline.info.run_id,
+                "report/alignment.yaml",
+                str(target),
+            )
+        except TrackingError as failure:
+            self.notes.append(f"alignment: aligned anew (the baseline's could not be read: {failure})")
+            return None
+        self.notes.append(f"alignment: pinned to that of baseline run {baseline.info.run_id}")
+        self.record.tags["paritylab.alignment_from"] = baseline.info.run_id
+        return Path(path)
+
+    def _build_reference(self) -> nn.Module:
+        self.echo("paritylab: building the reference")
+        model = instantiate("model.build", self.cfg.model.build)
+        return model.to(self.device)
+
+    def _bind(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
+        """The side's forward call: its ``call`` config checked against the forward, else read from it."""
+        spec = self._spec(key, model, inputs)
+        self.notes.append(f"{key}: {spec.describe()}")
+        return spec.bind(inputs)
+
+    def _spec(self, key: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> CallSpec:
+        call = self.cfg[key].call
+        given = bool(call.args or call.kwargs)
+        args, kwargs = (list(call.args), dict(call.kwargs)) if given else (None, None)
+        spec = infer_call(model, inputs, key, args, kwargs, list(call.drop))
+        return dataclasses.replace(spec, cast=bool(call.cast))
+
+    def _trace(self, side: str, model: nn.Module, run: Callable[[nn.Module], Any]) -> Trace:
+        from tqdm.auto import tqdm
+
+        self.echo(f"paritylab: tracing the {side}")
+        modules = sum(1 for _ in getattr(model, "_orig_mod", model).modules())
+        bar = tqdm(total=modules, desc=f"tracing {side}", unit="call", leave=False, disable=None)
+        options = TraceOptions(
+            save_tensors=bool(self.cfg.compare.save_tensors),
+            max_bytes=self.cfg.compare.max_bytes,
+            capture="auto" if self.cfg.compare.capture else None,
+            metadata={"side": side, "seed": self.cfg.seed, "model": self.cfg.model.name},
+            on_call=None if bar.disable else lambda _: bar.update(),
+        )
+        tracer = Tracer(model, self.directory / side, options)
+        try:
+            with tracer, bar:
+                run(model)
+        except Exception as error:
+            self._compare_partial(side, error)
+            raise
+        trace = Trace.load(self.directory / side)
+        untraced = trace.meta.get("modules_not_called") or []
+        if tracer.compiled:
+            self.notes.append(f"{side}: compiled model, {trace.meta['calls']} calls traced with graph breaks")
+        if untraced:
+            self.notes.append(f"{side}: {len(untraced)} selected modules were never called")
+        return trace
+
+    def _one_resident(self, reference: nn.Module) -> bool:
+        mode = str(self.cfg.resident)
+        if mode != "auto":
+            return mode == "one"
+        available = available_memory(self.device)
+        return available is not None and model_bytes(reference) > available / 4
+
+    def _offload(self, side: str, model: nn.Module) -> None:
+        """resident=one: move ``model``'s weights to a mapped file (deleted when the run ends)."""
+        self.echo(f"paritylab: moving the {side}'s weights to a memory-mapped file (resident=one)")
+        try:
+            moved = offload(getattr(model, "_orig_mod", model), self.directory / RESIDENT_DIR / side)
+        except OSError as error:  # only memory is at stake: run on with the model resident
+            self.notes.append(f"resident=one: {side} weights kept in memory: {error}")
+            return
+        release_freed_memory()
+        self.notes.append(f"resident=one: {side} weights ({moved / 2**20:.1f} MiB) memory-mapped after tracing")
+
+    def _compare_partial(self, side: str, error: Exception) -> None:
+        """A forward raised: compare what both sides produced so far, so the report names the module."""
+        try:
+            reference = Trace.load(self.directory / "reference")
+            candidate = Trace.load(self.directory / "candidate") if side == "candidate" else Trace()
+            self.report = compare_traces(reference, candidate)
+            self._write_report()
+            self.echo(headline(self.report))
+        except Exception as nested:  # the partial report is a bonus: never mask the forward's error
+            self.notes.append(f"no partial report: {type(nested).__name__}: {nested}")
+
+    def _note_weights(self, candidate: Candidate) -> None:
+        weights = candidate.weights
+        self.notes.extend(candidate.notes)
+        if weights is None:
+            return
+        self.notes.append(f"weight parity: {weights.summary()}")
+        if not weights.ok:
+            problems = [f"{name} (max |diff| {diff:.3g})" for name, diff in weights.mismatched[:5]]
+            problems += weights.unmapped_candidate[:5] + weights.shape_errors[:5]
+            self.echo(f"paritylab: weight parity fails before any forward: {'; '.join(problems)}")
+
+    def _noise_floor(
+        self,
+        reference: nn.Module,
+        candidate: Candidate,
+        run: Callable[[nn.Module], Any],
+        ref_trace: Trace,
+        cand_trace: Trace,
+    ) -> Floors | None:
+        mode = str(self.cfg.compare.noise_floor)
+        low = low_precision(reference, candidate.model)
+        if mode == "off" or (mode == "auto" and low is None):
+            return None
+        low = low or torch.bfloat16
+        self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
+        if candidate.cast_of == low:  # the candidate is the reference at that precision: reuse, don't re-run it
+            self.notes.append(
+                f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace and "
+                "isolated replay serve as the floor's low-precision side (two forwards saved)"
+            )
+            self.floors_from_replay = True
+            return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
+        return estimate_floors(reference, run, ref_trace, low, self.directory)
+
+    def _rules(self, candidate: Candidate) -> list[Rule]:
+        extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
+        return extra + candidate.rules
+
+    def _replay(
+        self,
+        model: nn.Module,
+        run: Callable[[nn.Module], Any],
+        reference: Trace,
+        candidate: Trace,
+        tolerances: Tolerances,
+        floors: Floors | None,
+    ) -> None:
+        from paritylab.comparison.replay import attach_replay, isolated_replay
+
+        assert self.report is not None
+        self.echo("paritylab: isolated replay")
+        replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
+        if floors is not None and self.floors_from_replay:
+            floors.local_metrics = local_floors(reference, replay, self.report.alignment)
+        attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
+
+    def _drill_down(
+        self,
+        reference: nn.Module,
+        ref_run: Callable[[nn.Module], Any],
+        candidate: nn.Module,
+        cand_run: Callable[[nn.Module], Any],
+        ref_trace: Trace,
+        cand_trace: Trace,
+    ) -> None:
+        """Inside the origin module, the first operation that differs (both sides run once more)."""
+        from paritylab.comparison.drilldown import drill_into
+        from paritylab.comparison.replay import teacher_forcing
+
+        report = self.report
+        first = report.first_divergence if report is not None else None
+        if report is None or first is None or first.candidate is None or first.status != "compared":
+            return  # an unmatched module has no counterpart to open
+        self.echo(f"paritylab: drilling into {display_path(first.path)}")
+        key = first.candidate.key
+        found = drill_into(
+            reference.to(self.device), ref_run, first.reference.key, candidate.to(self.device), cand_run, key,
+            lambda model: teacher_forcing(model, ref_trace, cand_trace, report.alignment, within=key),
+            first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2),
+        )  # fmt: skip
+        report.drilldown = found.to_dict()
+        self.notes.extend(f"drill-down: {note}" for note in found.notes)
+        write_json(self.directory / "report" / "drilldown.json", report.drilldown, indent=1)
+        self._write_report()
+
+    def _generate(
+        self,
+        reference: nn.Module,
+        candidate: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        rules: list[Rule],
+        tolerances: Tolerances,
+    ) -> None:
+        """Decode-step parity after the forward (:mod:`paritylab.run.generate`)."""
+        from paritylab.run.generate import generate_parity, step_heatmap
+
+        report = self.report
+        assert report is not None
+        steps = int(self.cfg.generate.steps)
+        self.echo(f"paritylab: {steps} decode steps with a KV cache on both sides")
+        generation = generate_parity(
+            reference.to(self.device), candidate.to(self.device), inputs,
+            self._spec("model", reference, inputs), self._spec("candidate", candidate, inputs), self.directory, steps,
+            rules=rules, tolerances=tolerances, top_k=int(self.cfg.generate.top_k), echo=self.echo,
+        )  # fmt: skip
+        report.decode = generation.to_dict()
+        folder = self.directory / "report"
+        write_json(folder / "decode.json", report.decode, indent=1)
+        (folder / "decode_heatmap.svg").write_text(step_heatmap(generation), encoding="utf-8")
+        self._write_report()
+
+    # -- outputs --------------------------------------------------------------------------------------------
+
+    def _write_report(self) -> None:
+        report = self.report
+        if report is None:
+            return
+        folder = self.directory / "report"
+        folder.mkdir(exist_ok=True)
+        (folder / "report.json").write_text(to_json(report), encoding="utf-8")
+        (folder / "report.md").write_text(to_markdown(report), encoding="utf-8")
+        (folder / "alignment.yaml").write_text(report.alignment.to_yaml(), encoding="utf-8")
+        _write_csv(folder / "comparison.csv", rows_table(report))
+        figures = write_plots(report, folder)
+        if report.decode and (folder / "decode_heatmap.svg").exists():
+            figures.append(folder / "decode_heatmap.svg")
+        images = {path.stem.replace("_", " "): path.read_text(encoding="utf-8") for path in figures}
+        title = f"{self.cfg.model.name} vs {self.cfg.candidate.name}"
+        (folder / "report.html").write_text(to_html(report, title, images), encoding="utf-8")
+
+    # -- tracking -------------------------------------------------------------------------------------------
+
+    def _start_tracking(self) -> None:
+        tracking = self.cfg.tracking
+        self.start_ms = int(time.time() * 1000)
+        self.record = RunRecord(
+            run_name=run_name(self.cfg, _hydra_overrides()),
+            experiment=str(tracking.experiment),
+            uri=tracking.uri,
+            tags=self._tags(),
+            params={k: str(v) for k, v in flatten(OmegaConf.to_container(self.cfg, resolve=True)).items()},
+            log_tensors=str(tracking.log_tensors) != "never",
+        )
+        if not tracking.enabled:
+            return
+        try:
+            tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
+            tracker.start(self.record.run_name, self.record.tags, (self.sweep or {}).get("parent_run_id"))
+            tracker.log_params(self.record.params)
+            self.tracker = tracker
+            if not self.sweep:  # a sweep closes them once, before its jobs start
+                stale = tracker.call("close stale runs", close_stale_runs, tracker.client, tracker.ensure_experiment())
+                if stale:
+                    self.echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
+        except TrackingError as error:
+            self.tracking_error = str(error)
+            self.echo(f"paritylab: {error}; continuing without tracking")
+
+    def _tags(self) -> dict[str, str]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from paritylab import __version__
+
+        try:
+            transformers_version = version("transformers")  # read from metadata: importing it takes seconds
+        except PackageNotFoundError:
+            transformers_version = "not installed"
+
+        resolved: dict[str, Any] = OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[assignment]
+        tags = {
+            "paritylab.model": str(self.cfg.model.name),
+            "paritylab.candidate": str(self.cfg.candidate.name),
+            "paritylab.verdict": "running",
+            "paritylab.first_divergence": "none",
+            "paritylab.inputs_seed": str(self.cfg.inputs.seed),
+            "paritylab.version": __version__,
+            "paritylab.torch_version": torch.__version__,
+            "paritylab.transformers_version": transformers_version,
+            "paritylab.python_version": platform.python_version(),
+            "paritylab.device": str(self.device),
+            "paritylab.dtype": str(self.cfg.dtype),
+            "paritylab.output_dir": str(self.directory),
+            "paritylab.pair": f"{self.cfg.model.name}/{self.cfg.candidate.name}",
+            "paritylab.inputs": f"{self.cfg.inputs.kind} seed {self.cfg.inputs.seed}",
+            FINGERPRINT: pair_fingerprint(resolved),
+            "paritylab.host": socket.gethostname(),
+            "paritylab.pid": str(os.getpid()),
+            "paritylab.process_start": process_start(os.getpid()) or "unknown",
+            "paritylab.start_ms": str(self.start_ms),
+            RUN_UID: uuid.uuid4().hex,
+            "mlflow.user": _user(),
+            "mlflow.source.name": _source_name(),
+            "mlflow.source.type": "LOCAL",
+        }
+        if self.sweep:
+            tags["paritylab.sweep_number"] = str(self.sweep.get("number", ""))
+        commit = _git_commit(Path(__file__).parent)
+        if commit:
+            tags["paritylab.git_commit"] = commit
+        code = _candidate_code(self.cfg)
+        candidate_commit = _git_commit(code) if code is not None else None
+        if candidate_commit:  # the candidate's own code, when it lives in a git repository
+            tags["mlflow.source.git.commit"] = candidate_commit
+            tags["paritylab.candidate_commit"] = candidate_commit
+        return tags
+
+    def _finish_tracking(self, status: str, error: str | None) -> None:
+        verdict = _verdict(self.report, status)
+        record = self.record
+        record.status = status
+        record.tags.update(final_tags(self.report, verdict, error, self.notes))
+        if _hydra_overrides():
+            record.tags["paritylab.overrides"] = " ".join(_hydra_overrides())
+        if self.report is not None:
+            record.metrics = report_metrics(self.report)
+            record.metrics += [
+                Metric(f"seconds/{phase.replace(' ', '_')}", value) for phase, value in self.timings.items()
+            ]
+            record.table = rows_table(self.report)
+            _write_key_map(self.directory, record.metrics)
+        record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, None)
+        record.save(self.directory)
+        if self.tracker.run_id is None:
+            if self.tracking_error:
+                self._keep_for_upload()
+            return
+        try:
+            self._history(record)
+            regressed = bool(self.regression and self.regression.regressed)
+            record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, regressed)
+            record.save(self.directory)
+            publish(self.tracker, record, self.directory)
+            self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
+        except TrackingError as failure:
+            self.tracking_error = str(failure)
+            self.echo(f"paritylab: {failure}")
+            self._keep_for_upload()
+            with suppress(TrackingError):
+                self.tracker.end("FAILED")
+
+    def _history(self, record: RunRecord) -> None:
+        """Regression against the pair's baseline, and the pair's trend run (MLflow trackers only)."""
+        tracker = self.tracker
+        if not isinstance(tracker, MlflowTracker) or self.report is None:
+            return
+        tracking = self.cfg.tracking
+        fingerprint = record.tags[FINGERPRINT]
+        experiment = tracker.ensure_experiment()
+        client = tracker.client
+        baseline = tracker.call("find the baseline", find_baseline, client, experiment, fingerprint, tracker.run_id)
+        before = layer_errors(baseline.data.metrics) if baseline is not None else None
+        current = layer_errors({m.key: m.value for m in record.metrics})
+        regression = assess(current, before, tracking.regression_factor, tracking.regression_floor)
+        if baseline is not None:
+            regression.baseline_run_id = baseline.info.run_id
+        record.tags.update(regression.tags())
+        record.metrics += [
+            Metric(f"regression/{layer}/ratio", ratio)
+            for layer, ratio in regression.ratios.items()
+            if math.isfinite(ratio)
+        ]
+        if regression.regressed:
+            self.echo(f"paritylab: REGRESSED against {regression.baseline_run_id}: {', '.join(regression.regressed)}")
+        self.regression = regression
+        if tracking.trend:  # scheduled runs only: the nightly preset, or tracking.trend=true
+            name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
+            tags = {
+                k: record.tags[k]
+                for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")
+            }
+            trend = tracker.call("open the trend run", trend_run, client, experiment, fingerprint, name, tags)
+            step = tracker.call("count", next_trend_step, client, trend)
+            points = [Metric(m.key, m.value, step, self.start_ms) for m in record.metrics if _trend_metric(m.key)]
+            points += [  # log10 (MLflow's axes are linear), every layer in one chart section: nightly/log10_rel_l2
+                Metric(
+                    f"nightly/log10_rel_l2/{m.key.removeprefix('layer/').removesuffix('/rel_l2')}",
+                    log,
+                    step,
+                    self.start_ms,
+                )
+                for m in points
+                if m.key.startswith("layer/") and (log := _log10(m.value)) is not None
+            ]
+            tracker.log_metrics_to(trend, points)
+            record.tags["paritylab.trend_run"] = trend
+            self._trend_heatmap(tracker, trend, [m.key for m in points if m.key.startswith("layer/")])
+
+    def _trend_heatmap(self, tracker: MlflowTracker, trend: str, keys: list[str]) -> None:
+        """``trend_heatmap.svg`` on the trend run (refreshed every night): each layer's error across nights."""
+        histories = {}
+        for key in keys:
+            points = tracker.call("read the trend", tracker.client.get_metric_history, trend, metric_key(key))
+            histories[key.removeprefix("layer/").removesuffix("/rel_l2")] = [(p.timestamp, p.value) for p in points]
+        if not histories:
+            return
+        path = self.directory / "report" / "trend_heatmap.svg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {self.record.run_name}"))
+        tracker.call("upload the trend heatmap", tracker.client.log_artifact, trend, str(path))
+
+    def _keep_for_upload(self) -> None:
+        self.echo(
+            f"paritylab: results kept in {self.directory}; publish them later with: paritylab-upload {self.directory}"
+        )
+
+
+def _trend_metric(key: str) -> bool:
+    return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
+
+
+def _upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
+    """``tracking.log_tensors``: ``always``, ``never``, or ``on_failure`` (a run that did not pass, or
+    regressed; the tensors stay in the run directory either way)."""
+    if mode in ("always", "never"):
+        return mode == "always"
+    return verdict != "pass" or bool(regressed)
+
+
+def run_name(cfg: DictConfig, overrides: list[str]) -> str:
+    """``model/candidate`` plus what varies: the input seed and every other command-line override (Hydra's
+    ``override_dirname``), each as its last key and value (``scale=1.05``; the full overrides are the tag
+    ``paritylab.overrides``), so runs of a sweep tell themselves apart in the runs list."""
+    skip = ("model=", "candidate=", "inputs.seed=", "tracking.", "hydra.", "output_dir=")
+    extra = []
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if item.lstrip("+~").startswith(skip):
+            continue
+        if key.endswith("_target_"):
+            key, value = "build", value.rsplit(".", 1)[-1]
+        extra.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    name = f"{cfg.model.name}/{cfg.candidate.name} seed={cfg.inputs.seed}"
+    return f"{name} {' '.join(extra)}"[:250] if extra else name
+
+
+def _hydra_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(item) for item in HydraConfig.get().overrides.task]
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return "unknown"
+
+
+def _source_name() -> str:
+    """The command as run (``python -m paritylab`` or the console script), for MLflow's source column."""
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "paritylab"
+    return "python -m paritylab" if program in ("__main__.py", "-m", "-c") else program
+
+
+def _candidate_code(cfg: DictConfig) -> Path | None:
+    """The directory of the candidate's own code (its build target's module), when it is a file on disk."""
+    import importlib.util
+
+    target = OmegaConf.select(cfg, "candidate.build._target_") or OmegaConf.select(
+        cfg, f"candidate.ports.{cfg.model.name}.build._target_"
+    )
+    if not isinstance(target, str) or "." not in target:
+        return None
+    module = target.rsplit(".", 1)[0]
+    while module:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin not in ("built-in", "frozen"):
+            return Path(spec.origin).parent
+        module = module.rsplit(".", 1)[0] if "." in module else ""
+    return None
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
+    """Verdict, first divergence, origins and the markdown description."""
+    first = report.first_divergence.path if report is not None and report.first_divergence else None
+    decode = (report.decode or {}).get("summary", {}) if report is not None else {}
+    if first is None and decode.get("first_divergence"):
+        first = decode["first_divergence"]  # step<n>/<module>: the forward agrees, a decode step does not
+    tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
+    if decode:
+        for key in ("first_failing_step", "first_token_mismatch"):
+            tags[f"paritylab.decode.{key}"] = "none" if decode.get(key) is None else str(decode[key])
+    if report is not None and report.culprit_reason:
+        tags["paritylab.culprit_reason"] = report.culprit_reason
+    if report is not None and report.drilldown:
+        tags["paritylab.first_operation"] = str(report.drilldown.get("operation"))[:500]
+    tags["mlflow.note.content"] = _description(report, verdict, error, notes)
+    if report is not None:
+        tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
+    return tags
+
+
+def report_metrics(report: Report) -> list[Metric]:
+    """Per-module divergence (step = execution order, the root left out), divergence against depth (step =
+    layer index, one series per tower, in log10 so MLflow's linear axes read well), per-layer keys (a layer
+    that produced NaN/Inf where the reference did not logs Inf), and summary metrics."""
+    metrics: list[Metric] = []
+    for row in report.rows:
+        if not row.path:
+            continue  # the whole model: its error is every module's, and drawn at step 0 it hides where it starts
+        for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
+            _add(metrics, f"divergence/{name}", row.metrics.get(name), row.index)
+        _add(metrics, "divergence/local_rel_l2", row.local.get("local_rel_l2"), row.index)
+        if LAYER.match(row.path):
+            nonfinite = row.metrics.get("nan_mismatch") or row.metrics.get("inf_mismatch")
+            if nonfinite:
+                metrics.append(Metric(f"layer/{row.path}/rel_l2", math.inf, 0))
+            else:
+                _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
+            _add(metrics, f"layer/{row.path}/max_abs", row.metrics.get("max_abs"), 0)
+            _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
+    for tower, rows in layer_rows(report).items():
+        for number, row in rows:
+            _add(metrics, f"depth/{tower}/log10_rel_l2", _log10(row.rel_l2), number)
+            _add(metrics, f"depth/{tower}/log10_own_rel_l2", _log10(row.local.get("local_rel_l2")), number)
+            cosine = row.metrics.get("cosine")
+            _add(metrics, f"depth/{tower}/log10_1_minus_cosine", _log10(None if cosine is None else 1 - cosine), number)
+    summary = report.summary()
+    _add(metrics, "summary/output_rel_l2", summary["output_rel_l2"], 0)
+    _add(metrics, "summary/output_max_abs", summary["output_max_abs"], 0)
+    _add(metrics, "summary/worst_rel_l2", summary["worst_rel_l2"], 0)
+    first = summary["first_divergence_index"]
+    _add(metrics, "summary/first_divergence_index", -1 if first is None else first, 0)
+    _add(metrics, "summary/failing_modules", summary["failed"], 0)
+    if report.decode:  # per decode step: step = the decode step
+        for step in report.decode["steps"]:
+            for name in ("token_agreement", "kl", "top_k_overlap", "max_abs", "output_rel_l2"):
+                _add(metrics, f"decode/{name}", step.get(name), int(step["step"]))
+            if step.get("output_rel_l2"):
+                _add(
+                    metrics,
+                    "decode/log10_output_rel_l2",
+                    math.log10(max(step["output_rel_l2"], 1e-300)),
+                    int(step["step"]),
+                )
+        failing = report.decode["summary"]["first_failing_step"]
+        _add(metrics, "summary/decode_first_failing_step", -1 if failing is None else failing, 0)
+    _add(metrics, "summary/passing_modules", summary["passed"], 0)
+    _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
+    _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)
+    return metrics
+
+
+LOG_FLOOR = -12.0
+"""log10 of an error of exactly 0 (or below 1e-12): the bottom of the depth charts."""
+
+
+def _log10(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return max(LOG_FLOOR, math.log10(value)) if value > 0 else LOG_FLOOR
+
+
+def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> None:
+    if value is not None and math.isfinite(float(value)):
+        metrics.append(Metric(key, float(value), step))
+
+
+def _verdict(report: Report | None, status: str) -> str:
+    if status != "FINISHED" or report is None or report.errors:
+        return "error"
+    return report.verdict
+
+
+def _description(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> str:
+    lines = [f"### paritylab: **{verdict}**", ""]
+    if error:
+        lines += [f"Error: `{error[:500]}`", ""]
+    if report is not None:
+        lines += [to_markdown(report, limit=40), ""]
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
+    """``metric_keys.json``: MLflow key -> module path, for every key that had to be made safe."""
+
+    from paritylab.sink.tracking import metric_key
+
+    renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
+    if renamed:
+        write_json(directory / "metric_keys.json", renamed, indent=1)
+
+
+def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(list(table))
+        writer.writerows(zip(*table.values(), strict=True))
+
+
+def _device(cfg: DictConfig) -> torch.device:
+    name = str(cfg.device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ConfigError(f"device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here: use device=cpu or device=auto")
+    return device
+
+
+def _hydra_dir() -> str | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+
+
+def _default_dir(cfg: DictConfig) -> Path:
+    return Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{cfg.model.name}-{cfg.candidate.name}"
+
+
+def _git_commit(directory: Path) -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=directory)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Interrupted` in the main thread for the duration (so the run ends KILLED)."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the duration (closing a run and writing its summary after a signal)."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

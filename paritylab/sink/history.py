@@ -1,0 +1,194 @@
+"""A pair's history in MLflow: its golden baseline, regressions against it, and a trend run over time.
+
+Runs of one pair share the tag ``paritylab.fingerprint``: a digest of everything that defines "the same
+comparison" (the model's and the candidate's build configuration, the inputs, the dtype, the device and the
+comparison settings), so a sweep over a build argument, a dtype override or other tolerances never compares
+against another pair's baseline. ``paritylab.pair`` (``model/candidate``) is for people. A run's baseline is
+the newest run promoted with ``paritylab-promote RUN_ID`` (tag ``paritylab.baseline=golden``), else
+the previous finished, passing run of the pair. Each layer's relative error is compared with the
+baseline's: it *regressed* when ``error > factor × baseline + floor`` (the absolute floor keeps changes at
+noise level from firing), or when it is NaN/Inf where the baseline's was finite; it *improved* when
+``error × factor + floor < baseline``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PAIR = "paritylab.pair"
+FINGERPRINT = "paritylab.fingerprint"
+BASELINE = "paritylab.baseline"
+TREND = "paritylab.trend"
+LAYER_PREFIX = "layer/"
+LAYER_SUFFIX = "/rel_l2"
+
+
+FINGERPRINT_KEYS = ("model", "candidate", "inputs", "dtype", "device", "compare", "seed")
+"""The resolved configuration keys that define a pair (tracking, output and resident settings do not)."""
+
+
+def pair_fingerprint(config: Mapping[str, Any]) -> str:
+    """A short, stable digest of the configuration that defines "the same comparison"."""
+    chosen = {key: config.get(key) for key in FINGERPRINT_KEYS}
+    compare = chosen.get("compare")
+    if isinstance(compare, Mapping):  # which alignment is pinned does not change the pair
+        chosen["compare"] = {k: v for k, v in compare.items() if k != "alignment"}
+    text = json.dumps(chosen, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class Regression:
+    verdict: str
+    """``none``, ``regressed``, ``improved`` or ``no-baseline``."""
+    baseline_run_id: str | None = None
+    regressed: list[str] = field(default_factory=list)
+    improved: list[str] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    """Layer path -> current / baseline relative error."""
+
+    def tags(self) -> dict[str, str]:
+        return {
+            "paritylab.regression": self.verdict,
+            "paritylab.regressed_layers": ",".join(self.regressed) or "none",
+            "paritylab.baseline_run": self.baseline_run_id or "none",
+        }
+
+
+def layer_errors(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Layer key -> relative error, from a run's ``layer/<path>/rel_l2`` metrics. Keys are taken as MLflow
+    stores them (module names with characters MLflow rejects are renamed), so a run's own metrics and a
+    baseline read back from MLflow line up whatever the module names are."""
+    from paritylab.sink.tracking import metric_key
+
+    found: dict[str, float] = {}
+    for raw, value in metrics.items():
+        key = metric_key(raw)
+        if key.startswith(LAYER_PREFIX) and key.endswith(LAYER_SUFFIX):
+            found[key[len(LAYER_PREFIX) : -len(LAYER_SUFFIX)]] = value
+    return found
+
+
+NONFINITE = 1e300
+"""MLflow stores Inf as the largest float: anything this large, or NaN, is a non-finite error."""
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value) and abs(value) < NONFINITE
+
+
+def assess(
+    current: Mapping[str, float], baseline: Mapping[str, float] | None, factor: float, floor: float
+) -> Regression:
+    """Compare per-layer errors with the baseline's."""
+    if baseline is None:
+        return Regression("no-baseline")
+    result = Regression("none")
+    for layer, value in current.items():
+        before = baseline.get(layer)
+        if before is None:
+            continue
+        if not _finite(value) or not _finite(before):
+            if not _finite(value) and _finite(before):  # NaN/Inf where the baseline was finite
+                result.ratios[layer] = math.inf
+                result.regressed.append(layer)
+            elif _finite(value):
+                result.improved.append(layer)
+            continue
+        result.ratios[layer] = value / before if before > 0 else (math.inf if value > 0 else 1.0)
+        if value > factor * before + floor:
+            result.regressed.append(layer)
+        elif value * factor + floor < before:
+            result.improved.append(layer)
+    if result.regressed:
+        result.verdict = "regressed"
+    elif result.improved:
+        result.verdict = "improved"
+    return result
+
+
+def find_baseline(client: Any, experiment_id: str, fingerprint: str, exclude: str | None) -> Any | None:
+    """The golden run of this pair, else its newest finished run that was judged (pass or fail) and holds
+    per-layer metrics (never ``exclude``, never a trend, killed or errored run)."""
+    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
+    for condition, judged in (
+        (f" and tags.`{BASELINE}` = 'golden'", False),
+        (" and attributes.status = 'FINISHED'", True),
+    ):
+        runs = client.search_runs(
+            [experiment_id], filter_string=scope + condition, order_by=["attributes.start_time DESC"], max_results=20
+        )
+        for run in runs:
+            if run.info.run_id == exclude or run.data.tags.get(TREND) == "true":
+                continue
+            if judged and (
+                run.data.tags.get("paritylab.verdict") not in ("pass", "fail") or not layer_errors(run.data.metrics)
+            ):
+                continue
+            return run
+    return None
+
+
+def promotable(run: Any) -> tuple[str | None, bool]:
+    """Why ``run`` cannot be a baseline (None when it can), and whether ``--force`` may override that: a
+    trend run, a run that did not finish or one with no per-layer metrics is never a baseline; a finished
+    run whose verdict is not pass can be forced."""
+    tags = run.data.tags
+    if tags.get(TREND) == "true":
+        return "it is a trend run, not a parity run", False
+    if not tags.get(PAIR) or not tags.get(FINGERPRINT):
+        return f"it is not a paritylab parity run (no {PAIR} / {FINGERPRINT} tags)", False
+    if run.info.status != "FINISHED":
+        return f"it did not finish (status {run.info.status})", False
+    if not layer_errors(run.data.metrics):
+        return "it has no per-layer metrics to compare against", False
+    verdict = tags.get("paritylab.verdict", "none")
+    if verdict != "pass":
+        return f"its verdict is {verdict!r}, not 'pass'", True
+    return None, False
+
+
+def promote(client: Any, run_id: str, force: bool = False) -> list[str]:
+    """Make ``run_id`` the golden baseline of its pair; returns the runs it supersedes. Refuses a run that
+    cannot be a meaningful baseline (see :func:`promotable`); ``force`` overrides only a verdict."""
+    run = client.get_run(run_id)
+    refused, forceable = promotable(run)
+    if refused and not (force and forceable):
+        hint = "; pass --force to promote it anyway" if forceable else ""
+        raise ValueError(f"run {run_id} cannot be a baseline: {refused}{hint}")
+    fingerprint = run.data.tags[FINGERPRINT]
+    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}' and tags.`{BASELINE}` = 'golden'"
+    previous = [r.info.run_id for r in client.search_runs([run.info.experiment_id], filter_string=scope)]
+    for other in previous:
+        if other != run_id:
+            client.set_tag(other, BASELINE, "superseded")
+    client.set_tag(run_id, BASELINE, "golden")
+    return [other for other in previous if other != run_id]
+
+
+def trend_run(client: Any, experiment_id: str, fingerprint: str, name: str, tags: Mapping[str, str]) -> str:
+    """The long-lived run that charts this pair's per-layer divergence over scheduled runs (one per pair
+    fingerprint; ``name`` carries the pair, seed and inputs)."""
+    scope = f"tags.`{TREND}` = 'true' and tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
+    found = client.search_runs([experiment_id], filter_string=scope, max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=name, tags={**tags, TREND: "true", FINGERPRINT: fingerprint})
+    client.set_terminated(run.info.run_id, "FINISHED")  # finished runs still take metrics; never "stale"
+    return run.info.run_id
+
+
+def next_trend_step(client: Any, run_id: str) -> int:
+    run = client.get_run(run_id)
+    step = int(run.data.tags.get("paritylab.trend_steps", "0")) + 1
+    client.set_tag(run_id, "paritylab.trend_steps", str(step))
+    return step
+
+
+def _quote(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("'", "\\'")

@@ -1,0 +1,225 @@
+"""Sweeps (``python -m paritylab -m ...``): a parent MLflow run, child runs nested under it, a summary.
+
+:class:`SweepCallback` (registered in ``conf/config.yaml``) prepares the tracking store once, marks runs
+left RUNNING by dead processes as KILLED, opens the parent run and writes ``paritylab_sweep.json`` in
+the sweep directory, where every job (in-process or a joblib worker) finds its parent. Each job writes
+``run.json``; :func:`finish_sweep` summarises them, logs the summary on the parent and gives the exit
+code. It is idempotent and also called by ``__main__`` after Hydra returns, because Hydra swallows
+exceptions raised in callbacks and skips ``on_multirun_end`` when a job raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from paritylab.tracing.tracefile import write_json
+
+STATE_FILE = "paritylab_sweep.json"
+ENVIRONMENT = "PARITYLAB_SWEEP_DIR"
+STALE_AFTER = 24 * 3600
+"""Runs of other hosts left RUNNING this long are considered dead."""
+
+_current: Path | None = None
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        start_sweep(config)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        finish_sweep(Path(config.hydra.sweep.dir))
+
+
+def start_sweep(config: DictConfig) -> dict[str, Any]:
+    """Open the sweep: state file, parent run, stale-run cleanup."""
+    global _current
+    directory = Path(config.hydra.sweep.dir).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    overrides = list(config.hydra.overrides.task)
+    state: dict[str, Any] = {"parent_run_id": None, "number": None, "finished": False, "overrides": overrides}
+    tracking = config.tracking
+    if tracking.enabled:
+        state.update(_open_parent(tracking, overrides))
+    _write(directory, state)
+    os.environ[ENVIRONMENT] = str(directory)  # joblib workers started later inherit it
+    _current = directory
+    return state
+
+
+def _open_parent(tracking: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    from paritylab.sink.tracking import MlflowTracker, TrackingError
+
+    try:
+        tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
+        experiment = tracker.ensure_experiment()
+        killed = tracker.call("close stale runs", close_stale_runs, tracker.client, experiment)
+        number = tracker.call("number the sweep", _next_sweep_number, tracker.client, experiment)
+        tags = {
+            "paritylab.sweep": "true",
+            "paritylab.sweep_number": str(number),
+            "paritylab.overrides": " ".join(overrides),
+        }
+        tracker.start(f"sweep/{number}", tags)
+    except TrackingError as error:
+        print(f"paritylab: sweep without a parent run: {error}")
+        return {"tracking_error": str(error)}
+    print(f"paritylab: sweep {number} (parent run {tracker.run_id}); closed {len(killed)} stale runs")
+    return {
+        "parent_run_id": tracker.run_id,
+        "number": number,
+        "uri": tracker.uri,
+        "experiment": str(tracking.experiment),
+        "stale_closed": killed,
+    }
+
+
+def sweep_state() -> dict[str, Any] | None:
+    """The state of the sweep this job belongs to, or ``None`` outside a sweep."""
+    directory = os.environ.get(ENVIRONMENT)
+    if not directory:
+        return None
+    path = Path(directory) / STATE_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def finish_sweep(directory: Path | None = None) -> int:
+    """Summarise the sweep's jobs (printed and logged on the parent run); returns the process exit code:
+    0 when every job passed without regression, 1 when one failed or regressed, 2 when one errored."""
+    directory = directory or _current
+    if directory is None or not (directory / STATE_FILE).is_file():
+        return 0
+    state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+    if state.get("finished"):
+        return int(state.get("exit_code", 0))
+    jobs = _jobs(directory)
+    code = max((job["exit_code"] for job in jobs), default=2)
+    summary = summarise(jobs, state)
+    print(summary)
+    (directory / "sweep_summary.md").write_text(summary, encoding="utf-8")
+    if state.get("parent_run_id"):
+        _close_parent(state, directory, jobs, summary, code)
+    state.update(finished=True, exit_code=code)
+    _write(directory, state)
+    return code
+
+
+def _jobs(directory: Path) -> list[dict[str, Any]]:
+    """Every job's ``run.json``; a job that started but wrote none counts as an error."""
+    jobs = []
+    for job_dir in sorted(path for path in directory.iterdir() if (path / ".hydra").is_dir()):
+        try:
+            job = json.loads((job_dir / "run.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            job = {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
+        job["directory"] = job_dir.name
+        jobs.append(job)
+    return jobs
+
+
+def summarise(jobs: list[dict[str, Any]], state: dict[str, Any]) -> str:
+    lines = [
+        f"## paritylab sweep {state.get('number') or ''}",
+        "",
+        "| job | verdict | first divergence | regression | regressed layers | run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for job in jobs:
+        regressed = ", ".join(job.get("regressed_layers") or []) or "-"
+        lines.append(
+            f"| {job['directory']} | {job.get('verdict')} | {job.get('first_divergence') or 'none'} | "
+            f"{job.get('regression') or '-'} | {regressed} | {job.get('link') or job.get('error') or ''} |"
+        )
+    failing = [job for job in jobs if job["exit_code"]]
+    lines += ["", f"{len(jobs)} jobs, {len(failing)} failed, regressed or errored."]
+    return "\n".join(lines)
+
+
+def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, Any]], summary: str, code: int) -> None:
+    from paritylab.sink.tracking import Metric, MlflowTracker, TrackingError
+
+    try:
+        tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
+        tracker.run_id = state["parent_run_id"]
+        tracker.set_tags({"mlflow.note.content": summary, "paritylab.sweep_exit_code": str(code)})
+        counts = {"jobs": len(jobs), "failed": sum(1 for j in jobs if j["exit_code"])}
+        counts["regressed"] = sum(1 for j in jobs if j.get("regression") == "regressed")
+        tracker.log_metrics([Metric(f"sweep/{key}", value) for key, value in counts.items()])
+        tracker.log_artifact(directory / "sweep_summary.md")
+        tracker.end("FINISHED" if code == 0 else "FAILED")  # any job that failed, regressed or errored
+    except TrackingError as error:
+        print(f"paritylab: could not log the sweep summary: {error}")
+
+
+def _experiment_of(state: dict[str, Any]) -> str:
+    return str(state.get("experiment") or "paritylab")
+
+
+def close_stale_runs(client: Any, experiment_id: str) -> list[str]:
+    """Mark KILLED the runs left RUNNING by processes that are gone. A run is identified by host, pid and
+    the process's start time: on this host, a dead pid, or a pid now held by another process (started at
+    another time) is gone; on another host, only age can tell."""
+    host = socket.gethostname()
+    killed = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
+        tags = run.data.tags
+        if tags.get("paritylab.trend") == "true":
+            continue
+        same_host = tags.get("paritylab.host") == host
+        pid = int(tags.get("paritylab.pid", "0") or 0)
+        age = time.time() - run.info.start_time / 1000
+        if (same_host and pid and not _same_process(pid, tags.get("paritylab.process_start"))) or (
+            not same_host and age > STALE_AFTER
+        ):
+            client.set_terminated(run.info.run_id, "KILLED")
+            killed.append(run.info.run_id)
+    return killed
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as a token that differs between two processes that held the same pid
+    (Linux: field 22 of ``/proc/PID/stat``, clock ticks since boot); None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_process(pid: int, started: str | None) -> bool:
+    if not _alive(pid):
+        return False
+    now = process_start(pid)
+    return started is None or now is None or now == started
+
+
+def _next_sweep_number(client: Any, experiment_id: str) -> int:
+    experiment = client.get_experiment(experiment_id)
+    number = int(experiment.tags.get("paritylab.sweeps", "0")) + 1
+    client.set_experiment_tag(experiment_id, "paritylab.sweeps", str(number))
+    return number
+
+
+def _write(directory: Path, state: dict[str, Any]) -> None:
+    write_json(directory / STATE_FILE, state, indent=1)

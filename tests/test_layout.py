@@ -1,0 +1,47 @@
+"""The package's layers, as the tree shows them, with every import pointing down (checked from the source)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "paritylab"
+ALLOWED = {
+    "tracing": {"tracing"},
+    "comparison": {"tracing", "comparison"},
+    "reports": {"tracing", "comparison", "reports"},
+    "sink": {"tracing", "sink"},
+    "run": {"tracing", "comparison", "reports", "sink", "run"},
+    "cli": {"tracing", "comparison", "reports", "sink", "run", "cli"},
+}
+"""Per layer, the layers its modules may import (at any depth: function-level imports count too)."""
+
+
+def _imported_layers(path: Path) -> set[str]:
+    layers = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "paritylab" and len(parts) > 1 and parts[1] in ALLOWED:
+                layers.add(parts[1])
+    return layers
+
+
+def test_every_module_sits_in_a_layer_and_imports_only_below_it():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert loose == [], "modules belong in a layer's subpackage"
+    wrong = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            for imported in sorted(_imported_layers(path) - allowed):
+                wrong.append(f"{layer}/{path.name} imports paritylab.{imported}")
+    assert wrong == []
+
+
+def test_each_layer_is_a_package_with_a_docstring():
+    for layer in ALLOWED:
+        init = PACKAGE / layer / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), layer
