@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.sink.tracking import Metric, MlflowTracker, TrackingError
-from paritylab.tracing.tracefile import write_json
 
 SKIP, ABORT = 125, 128
 """``git bisect run``: 125 skips a commit, above 127 stops the bisection."""
@@ -80,6 +79,8 @@ def bisect(
         "seconds": round(time.time() - started, 1),
         "git_bisect_log": log,
     }
+    from paritylab.tracing.tracefile import write_json  # imports torch: not needed by each bisect step
+
     write_json(directory / "bisect.json", result, indent=1)
     return result
 
