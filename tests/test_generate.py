@@ -54,15 +54,17 @@ def test_clean_candidates_agree_at_every_step(name, setting, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("bug", "step", "module"),
+    ("bug", "step", "module", "inside"),
     [
-        ("position", 2, "model.language_model.rotary_emb"),  # positions reach the model through the rotary tables
-        ("stale", 3, "model.language_model.layers.0.self_attn"),
-        ("mask", 2, "model.language_model.layers.0.self_attn"),
-        ("position", 4, "model.language_model.rotary_emb"),
+        # positions reach the model through the rotary tables: the angle computation from them
+        ("position", 2, "model.language_model.rotary_emb", "matmul"),
+        # the keys the cache held from the step before (a tensor made before the call) are not the reference's
+        ("stale", 3, "model.language_model.layers.0.self_attn", "state held by the module"),
+        ("mask", 2, "model.language_model.layers.0.self_attn", "masked_fill .. softmax (2 operations)"),
+        ("position", 4, "model.language_model.rotary_emb", "matmul"),
     ],
 )
-def test_a_decode_bug_is_named_at_its_step_and_module(bug, step, module, setting, tmp_path):
+def test_a_decode_bug_is_named_at_its_step_and_module(bug, step, module, inside, setting, tmp_path):
     _, reference, _ = setting
     generation = _generate(setting, decode_bug_port(reference, bug, step), tmp_path, steps=4)
     summary = generation.summary()
@@ -71,6 +73,9 @@ def test_a_decode_bug_is_named_at_its_step_and_module(bug, step, module, setting
     assert summary["first_divergence"] == f"step{step}/{module}"
     assert all(s.verdict == "pass" for s in generation.steps[:step])  # earlier steps agree
     assert generation.steps[step].max_abs > 1e-6
+    # Inside that module at that step (both sides decoded afresh up to it): the operation or state that differs.
+    assert generation.drilldown["step"] == step and generation.drilldown["operation"] == inside, generation.drilldown
+    assert summary["first_operation"] == inside
 
 
 def test_a_model_that_cannot_decode_is_refused_in_one_line(setting, tmp_path):
@@ -106,3 +111,5 @@ def test_generate_through_the_app_logs_steps_and_names_the_step(tmp_path):
     assert (
         "at decode step 2 divergence starts at model.language_model.layers.0.self_attn" in tags["mlflow.note.content"]
     )
+    assert tags["paritylab.first_operation"] == "step2/masked_fill .. softmax (2 operations)"
+    assert decode["drilldown"]["candidate"] == "llm.layers.0.attention#0"

@@ -179,7 +179,10 @@ def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     drilled = json.loads((result.directory / "report" / "drilldown.json").read_text())
     assert drilled["candidate"] == "llm.layers.1.attention.wo#0" and drilled["operations"][0]["scalars"] == ["1.01"]
     assert drilled["counterparts"] == [] and "the reference has no operation on the same inputs" in drilled["message"]
-    assert "inside model.language_model.layers.1.self_attn.o_proj: the inputs agree" in tags["mlflow.note.content"]
+    assert (
+        "inside model.language_model.layers.1.self_attn.o_proj: the floating-point inputs agree"
+        in tags["mlflow.note.content"]
+    )
     assert "report/drilldown.json" in {a.path for a in client.list_artifacts(result.run_id, "report")}
     page = (result.directory / "report" / "report.html").read_text()
     assert "Inside model.language_model.layers.1.self_attn.o_proj: where the values part" in page

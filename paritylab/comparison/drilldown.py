@@ -48,8 +48,8 @@ class Value:
     index: int
     origin: str
     """Where it came from: ``input <slot>``, ``parameter <name>``, ``buffer <name>``, ``op <n>``, ``forced <child>``
-    (a child's output replaced by the reference's, teacher forcing) or ``from <module>`` (made outside any
-    recorded operation, such as a tensor attribute)."""
+    (a child's output replaced by the reference's, teacher forcing) or ``state held by <module>`` (made before
+    this call and kept: a KV cache's tensors, a tensor attribute)."""
     shape: list[int]
     dtype: str
     op: int | None = None
@@ -294,7 +294,7 @@ class _Recorder(TorchFunctionMode):
         if value.op is not None:
             return self.recording.ops[value.op].name if value.op < len(self.recording.ops) else "tensor"
         kind, _, rest = value.origin.partition(" ")
-        return rest if kind in ("parameter", "buffer") else kind
+        return rest if kind in ("parameter", "buffer") else "state" if kind == "state" else kind
 
     def _value(self, tensor: torch.Tensor, origin: str, op: int | None = None) -> int:
         known = self.known.get(id(tensor))
@@ -302,7 +302,7 @@ class _Recorder(TorchFunctionMode):
             return known
         recording = self.recording
         index = len(recording.values)
-        origin = self.names.get(id(tensor)) or origin or f"from {self.stack[-1] or 'the module'}"
+        origin = self.names.get(id(tensor)) or origin or f"state held by {self.stack[-1] or 'the module'}"
         recording.values.append(Value(index, origin, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), op))
         size = tensor.numel() * tensor.element_size()
         if self.bytes + size > MAX_BYTES or tensor.is_meta:
@@ -591,7 +591,7 @@ def _describe(
     if value.op is None:
         text = f"{value.origin} {value.shape}{where} matches no reference value: "
     else:
-        text = f"the inputs agree{where}, then "
+        text = f"the floating-point inputs agree{where}, then "
     if len(operations) == 1:
         text += f"{first.arguments} differs from the reference's result by {off}"
     else:

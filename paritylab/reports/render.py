@@ -117,6 +117,10 @@ def decode_lines(report: Report) -> list[str]:
             f"  step {step['step']:>3}: {step['verdict']}{where}; tokens agree {step['token_agreement']:.0%}, "
             f"KL {fmt(step['kl'])}, top-k {step['top_k_overlap']:.0%}, max |logit diff| {fmt(step['max_abs'])}"
         )
+    found = report.decode.get("drilldown")
+    if found:
+        where = display_path(str(found.get("reference", "")).rsplit("#", 1)[0])
+        lines.append(f"  inside {where} at step {found['step']}: {printable(str(found.get('message')))}")
     return lines
 
 

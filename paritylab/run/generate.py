@@ -69,6 +69,8 @@ class Generation:
     top_k: int
     reference_style: str
     candidate_style: str
+    drilldown: dict[str, Any] | None = None
+    """At the first failing step, the operation inside its origin where the values part (``step`` added)."""
 
     @property
     def verdict(self) -> str:
@@ -95,13 +97,14 @@ class Generation:
             "first_divergence": first.key if first else None,
             "culprit_reason": first.culprit_reason if first else "",
             "first_token_mismatch": self.first_token_mismatch,
+            "first_operation": self.drilldown.get("operation") if self.drilldown else None,
             "top_k": self.top_k,
             "reference_cache": self.reference_style,
             "candidate_cache": self.candidate_style,
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "steps": [asdict(step) for step in self.steps]}
+        return {"summary": self.summary(), "steps": [asdict(step) for step in self.steps], "drilldown": self.drilldown}
 
 
 class _Side:
@@ -160,9 +163,14 @@ def generate_parity(
     rules: Iterable[Rule] = (),
     tolerances: Tolerances | None = None,
     top_k: int = 5,
+    drilldown: bool = True,
     echo: Callable[[str], None] = lambda _: None,
 ) -> Generation:
-    """Prefill plus ``steps`` decode steps on both sides, each traced and compared (see the module docstring)."""
+    """Prefill plus ``steps`` decode steps on both sides, each traced and compared (see the module docstring).
+
+    With ``drilldown``, the origin at the first failing step is opened operation by operation
+    (:mod:`paritylab.comparison.drilldown`): both sides decode afresh up to that step, then record that call.
+    """
     if "input_ids" not in inputs:
         raise ConfigError("generate needs token ids: the inputs have no input_ids (a vision-only model cannot decode)")
     sides = _Side(reference, reference_spec, "reference"), _Side(candidate, candidate_spec, "candidate")
@@ -170,7 +178,10 @@ def generate_parity(
     mask = inputs.get("attention_mask")
     pinned: list[Rule] | None = None
     done: list[Step] = []
+    feeds: list[dict[str, torch.Tensor]] = []
+    failure: tuple[int, Report, Trace, Trace] | None = None
     for number in range(steps + 1):
+        feeds.append(fed)
         folder = directory / STEPS_DIR / str(number)
         outputs, traces = [], []
         for side in sides:
@@ -187,12 +198,55 @@ def generate_parity(
                 pinned = _frozen(report)
         logits = [_last_logits(output) for output in outputs]
         done.append(_step(number, report, logits[0], logits[1], top_k))
+        if failure is None and done[-1].verdict in ("fail", "error"):
+            failure = (number, report, traces[0], traces[1])
         echo(f"paritylab: decode step {number}: {done[-1].verdict}, tokens agree {done[-1].token_agreement:.0%}")
         token = logits[0].argmax(dim=-1, keepdim=True).to(fed["input_ids"].dtype)
         fed = {"input_ids": token}
         if mask is not None:  # the mask covers every token so far, cached and new
             mask = fed["attention_mask"] = torch.cat([mask, torch.ones_like(token, dtype=mask.dtype)], dim=-1)
-    return Generation(done, top_k, sides[0].style, sides[1].style)
+    generation = Generation(done, top_k, sides[0].style, sides[1].style)
+    if drilldown and failure is not None:
+        specs = reference_spec, candidate_spec
+        generation.drilldown = _drill_step(reference, candidate, specs, feeds, *failure, echo)
+    return generation
+
+
+def _drill_step(
+    reference: nn.Module,
+    candidate: nn.Module,
+    specs: tuple[CallSpec, CallSpec],
+    feeds: list[dict[str, torch.Tensor]],
+    number: int,
+    report: Report,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    echo: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """Decode both sides afresh up to step ``number`` (the same tokens), then record the origin's call there
+    (the candidate teacher-forced up to it with that step's reference values) and name the operation."""
+    from paritylab.comparison.drilldown import drill_into
+    from paritylab.comparison.replay import teacher_forcing
+
+    first = report.first_divergence
+    if first is None or first.candidate is None or first.status != "compared":
+        return None
+    echo(f"paritylab: drilling into {first.path} at decode step {number}")
+    sides = _Side(reference, specs[0], "reference"), _Side(candidate, specs[1], "candidate")
+    with torch.no_grad():
+        for fed in feeds[:number]:
+            for side in sides:
+                side.absorb(side.run(fed)(side.model))
+        key = first.candidate.key
+        found = drill_into(
+            reference, sides[0].run(feeds[number]), first.reference.key,
+            candidate, sides[1].run(feeds[number]), key,
+            lambda model: teacher_forcing(model, reference_trace, candidate_trace, report.alignment, within=key),
+            first.candidate.dtype or "float32", first.rel_l2,
+        )  # fmt: skip
+    result = found.to_dict()
+    result["step"] = number
+    return result
 
 
 def _traced(side: _Side, inputs: Mapping[str, torch.Tensor], directory: Path) -> tuple[Any, Trace]:

@@ -470,7 +470,8 @@ class _Session:
         generation = generate_parity(
             reference.to(self.device), candidate.to(self.device), inputs,
             self._spec("model", reference, inputs), self._spec("candidate", candidate, inputs), self.directory, steps,
-            rules=rules, tolerances=tolerances, top_k=int(self.cfg.generate.top_k), echo=self.echo,
+            rules=rules, tolerances=tolerances, top_k=int(self.cfg.generate.top_k),
+            drilldown=bool(self.cfg.compare.drilldown), echo=self.echo,
         )  # fmt: skip
         report.decode = generation.to_dict()
         folder = self.directory / "report"
@@ -770,6 +771,8 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
         tags["paritylab.culprit_reason"] = report.culprit_reason
     if report is not None and report.drilldown:
         tags["paritylab.first_operation"] = str(report.drilldown.get("operation"))[:500]
+    elif decode.get("first_operation"):
+        tags["paritylab.first_operation"] = f"step{decode['first_failing_step']}/{decode['first_operation']}"[:500]
     tags["mlflow.note.content"] = _description(report, verdict, error, notes)
     if report is not None:
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
