@@ -126,3 +126,26 @@ def test_low_precision_tolerates_rounding_but_not_a_wrong_scale(dtype):
     candidate.scale *= 1.5
     found = drill_into(reference, run, "#0", candidate, run, "#0", lambda _: nullcontext(), dtype)
     assert "mul" in [op.name for op in found.operations] and "constants: 0.53033" in found.message, found.message
+
+
+def test_a_difference_only_the_compiled_graph_makes_is_said_to_be_the_graph():
+    """The eager code agrees; under torch.compile the module computes something else (here on purpose, as a
+    compiler bug would): the drill-down says the compiled graph made it, not an operation of the code."""
+
+    class CompilerSensitive(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.inner(x)
+            return out * 1.01 if torch.compiler.is_compiling() else out
+
+    reference, candidate, x = _pair()
+    compiled = torch.compile(CompilerSensitive(candidate), backend="eager")
+    assert not torch.allclose(compiled(x), reference(x))  # the compiled candidate does diverge
+    wrapped_reference = CompilerSensitive(reference)
+    run = lambda model: model(x)  # noqa: E731
+    found = drill_into(wrapped_reference, run, "#0", compiled, run, "#0", lambda _: nullcontext(), torch.float32)
+    assert found.value is None and "made by the compiled graph itself" in found.message
+    assert any("compiled candidate" in note for note in found.notes)

@@ -633,7 +633,8 @@ def drill_into(
     """
     notes = []
     eager = getattr(candidate, "_orig_mod", None)
-    if isinstance(eager, nn.Module):
+    compiled = isinstance(eager, nn.Module)
+    if compiled:
         notes.append("compiled candidate: operations recorded on its eager module (the compiled graph fuses them)")
         candidate = eager
     reference_recording = record_call(reference, *split_key(reference_key), reference_run)
@@ -641,4 +642,10 @@ def drill_into(
         candidate_recording = record_call(candidate, *split_key(candidate_key), candidate_run)
     result = drill_down(reference_recording, candidate_recording, dtype, own_error)
     result.notes[:0] = notes
+    if compiled and result.value is None and candidate_recording.called:
+        result.message = (
+            f"every operation of {candidate_key}'s eager code agrees with the reference: the divergence is made by "
+            "the compiled graph itself (graph capture, fusion or lowering), which operations recorded on eager "
+            "code cannot show; candidate.backend=aot_eager tells capture from lowering"
+        )
     return result
