@@ -634,7 +634,7 @@ def drill_into(
     notes = []
     eager = getattr(candidate, "_orig_mod", None)
     compiled = isinstance(eager, nn.Module)
-    if compiled:
+    if isinstance(eager, nn.Module):
         notes.append("compiled candidate: operations recorded on its eager module (the compiled graph fuses them)")
         candidate = eager
     reference_recording = record_call(reference, *split_key(reference_key), reference_run)

@@ -230,16 +230,11 @@ def prepare_store(uri: str) -> None:
         return
     database = Path(uri.removeprefix("sqlite:///"))
     database.parent.mkdir(parents=True, exist_ok=True)
-    import fcntl
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
 
-    with open(database.with_name(database.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            from mlflow.tracking import MlflowClient
-
-            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with FileLock(database.with_name(database.name + ".lock")):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
 EXPERIMENT_DESCRIPTION = """**paritylab**: does a candidate (a port, a dtype, an attention kernel, torch.compile)
