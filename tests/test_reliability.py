@@ -299,13 +299,6 @@ def copy_trace(source: Path, target: Path) -> Path:
     return target
 
 
-def compare_cli(reference: Path, candidate: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "paritylab.cli.compare", str(reference), str(candidate)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
 def shard(directory: Path) -> Path:
     return directory / "tensors-00000.safetensors"
 
@@ -322,7 +315,11 @@ def shard(directory: Path) -> Path:
         ("bad_json", "not valid JSON"),
     ],
 )
-def test_corrupt_trace_gives_one_line_exit_2(tmp_path, good_trace, damage, message):
+def test_corrupt_trace_gives_one_line_exit_2(tmp_path, good_trace, damage, message, capsys):
+    """In process (paritylab-compare's main): an exception escaping it would fail the test as a traceback would;
+    the process boundary is exercised by the hostile-directory tests below."""
+    from paritylab.cli.compare import main
+
     broken = copy_trace(good_trace, tmp_path / "broken")
     document = json.loads((broken / "trace.json").read_text())
     data = shard(broken).read_bytes()
@@ -343,9 +340,10 @@ def test_corrupt_trace_gives_one_line_exit_2(tmp_path, good_trace, damage, messa
     if damage in ("escape", "absurd_shape", "shape_lie"):
         (broken / "trace.json").write_text(json.dumps(document))
     reference = broken if damage == "shape_lie" else good_trace  # a lie on both sides is only seen in the file
-    result = compare_cli(reference, broken)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.count("\n") == 1 and message in result.stderr
+    code = main([str(reference), str(broken)])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert stderr.count("\n") == 1 and message in stderr
 
 
 def _mutate(document, path, value):
@@ -512,7 +510,7 @@ def test_names_with_control_characters_are_escaped_on_the_terminal_and_html_in_m
     assert _md_escape("<script>alert(1)</script>") == "&lt;script&gt;alert(1)&lt;/script&gt;"
 
 
-def _compare_cli(*args: object) -> subprocess.CompletedProcess[str]:
+def compare_cli(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "paritylab.cli.compare", *map(str, args)], capture_output=True, text=True, timeout=60
     )
@@ -535,7 +533,7 @@ def test_hostile_trace_directories_are_refused_in_one_line(good_trace, tmp_path,
     else:
         (target / "sub").mkdir()
         (target / "sub" / "link").symlink_to(tmp_path)
-    result = _compare_cli(good_trace, target)
+    result = compare_cli(good_trace, target)
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "symbolic link" in result.stderr or "not a regular file" in result.stderr
