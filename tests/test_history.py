@@ -103,3 +103,37 @@ def test_renamed_keys_are_assessed_like_any_other(store):
     current = layer_errors({f"layer/{odd}/rel_l2": 5e-3, "layer/plain.0/rel_l2": 1e-4})
     result = assess(current, before, 2.0, 1e-6)
     assert result.regressed == [metric_key(odd)] and result.ratios[metric_key(odd)] == pytest.approx(50)
+
+
+def test_an_upload_gets_the_regression_and_the_trend_point_a_live_run_gets_and_only_once(tmp_path, monkeypatch):
+    """A scheduled run whose store failed mid-run is uploaded later, twice: one run, assessed against the pair's
+    baseline, with one trend point (the second upload changes nothing)."""
+    from paritylab.sink.publish import upload
+    from paritylab.sink.tracking import MlflowTracker, TrackingError
+    from tests.test_runner import run_with
+
+    baseline, client = run_with(tmp_path / "first", "compare.replay=false", "tracking.trend=true")
+    uri = client.tracking_uri
+    assert baseline.exit_code == 0
+
+    def broken(self, metrics):
+        raise TrackingError("MLflow failed to log metrics: connection reset")
+
+    monkeypatch.setattr(MlflowTracker, "log_metrics", broken)
+    from paritylab.cli.app import compose
+    from paritylab.run.runner import run
+
+    cfg = compose([f"tracking.uri={uri}", "compare.replay=false", "tracking.trend=true", "seed=0"])
+    failed = run(cfg, tmp_path / "second", echo=lambda _: None)
+    assert failed.exit_code == 2 and failed.tracking_error
+    monkeypatch.undo()
+    run_id, already = upload(failed.directory)
+    assert run_id == failed.run_id and not already
+    assert upload(failed.directory) == (run_id, True)
+    tags = client.get_run(run_id).data.tags
+    assert tags["paritylab.regression"] == "none" and tags["paritylab.baseline_run"] == baseline.run_id
+    trend = tags["paritylab.trend_run"]
+    assert trend == client.get_run(baseline.run_id).data.tags["paritylab.trend_run"]  # the pair's one trend run
+    points = client.get_metric_history(trend, "summary/failing_modules")
+    assert len(points) == 2  # the live run's night and the uploaded one's, not three
+    assert sorted(p.timestamp for p in points)[1] == int(tags["paritylab.start_ms"])  # stamped with its own start

@@ -10,7 +10,7 @@ ALLOWED = {
     "tracing": {"tracing"},
     "comparison": {"tracing", "comparison"},
     "reports": {"tracing", "comparison", "reports"},
-    "sink": {"tracing", "sink"},
+    "sink": {"tracing", "comparison", "reports", "sink"},  # the trend heatmap is drawn for MLflow
     "run": {"tracing", "comparison", "reports", "sink", "run"},
     "cli": {"tracing", "comparison", "reports", "sink", "run", "cli"},
 }

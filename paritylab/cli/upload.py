@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from paritylab.sink.publish import upload
+from paritylab.sink.publish import RunRecord, upload
 from paritylab.sink.tracking import TrackingError
 
 
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     if already:
         print(f"paritylab-upload: {args.directory} is already published as run {run_id}; nothing to do")
     else:
-        print(f"paritylab-upload: published {args.directory} as run {run_id}")
+        regression = RunRecord.load(args.directory).tags.get("paritylab.regression", "not assessed")
+        print(f"paritylab-upload: published {args.directory} as run {run_id} (regression: {regression})")
     return 0
 
 

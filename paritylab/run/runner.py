@@ -31,7 +31,7 @@ from torch import nn
 from paritylab.comparison.alignment import Rule, load_rules
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
-from paritylab.reports.plots import LAYER, layer_rows, trend_heatmap, write_plots
+from paritylab.reports.plots import LAYER, layer_rows, write_plots
 from paritylab.reports.render import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
@@ -39,19 +39,18 @@ from paritylab.run.inputs import build_inputs
 from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, infer_call
-from paritylab.sink.history import (
-    FINGERPRINT,
-    Regression,
-    assess,
-    find_baseline,
-    layer_errors,
-    next_trend_step,
-    pair_fingerprint,
-    trend_run,
+from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
+from paritylab.sink.publish import RUN_UID, RunRecord, publish, upload_tensors
+from paritylab.sink.sweep import close_stale, process_start, sweep_state
+from paritylab.sink.tracking import (
+    Metric,
+    MlflowTracker,
+    Tracker,
+    TrackingError,
+    flatten,
+    log10_for_charts,
+    metric_key,
 )
-from paritylab.sink.publish import RUN_UID, RunRecord, publish
-from paritylab.sink.sweep import close_stale_runs, process_start, sweep_state
-from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, flatten, metric_key
 from paritylab.tracing.tracefile import Trace, display_path, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
@@ -268,29 +267,17 @@ class _Session:
         tracker = self.tracker
         if choice == "fresh" or not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
             return None
-        fingerprint = self.record.tags[FINGERPRINT]
         try:
-            experiment = tracker.ensure_experiment()
-            baseline = tracker.call(
-                "find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id
-            )
-            if baseline is None:
-                return None
-            target = self.directory / "baseline"
-            target.mkdir(exist_ok=True)
-            path = tracker.call(
-                "download the baseline's alignment",
-                tracker.client.download_artifacts,
-                baseline.info.run_id,
-                "report/alignment.yaml",
-                str(target),
-            )
+            found = baseline_alignment(tracker, self.record.tags[FINGERPRINT], self.directory / "baseline")
         except TrackingError as failure:
             self.notes.append(f"alignment: aligned anew (the baseline's could not be read: {failure})")
             return None
-        self.notes.append(f"alignment: pinned to that of baseline run {baseline.info.run_id}")
-        self.record.tags["paritylab.alignment_from"] = baseline.info.run_id
-        return Path(path)
+        if found is None:
+            return None
+        baseline_id, path = found
+        self.notes.append(f"alignment: pinned to that of baseline run {baseline_id}")
+        self.record.tags["paritylab.alignment_from"] = baseline_id
+        return path
 
     def _build_reference(self) -> nn.Module:
         self.echo("paritylab: building the reference")
@@ -510,6 +497,11 @@ class _Session:
             tags=self._tags(),
             params={k: str(v) for k, v in flatten(OmegaConf.to_container(self.cfg, resolve=True)).items()},
             log_tensors=str(tracking.log_tensors) != "never",
+            log_tensors_mode=str(tracking.log_tensors),
+            regression_factor=float(tracking.regression_factor),
+            regression_floor=float(tracking.regression_floor),
+            trend=bool(tracking.trend),
+            start_ms=self.start_ms,
         )
         if not tracking.enabled:
             return
@@ -519,7 +511,7 @@ class _Session:
             tracker.log_params(self.record.params)
             self.tracker = tracker
             if not self.sweep:  # a sweep closes them once, before its jobs start
-                stale = tracker.call("close stale runs", close_stale_runs, tracker.client, tracker.ensure_experiment())
+                stale = close_stale(tracker)
                 if stale:
                     self.echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
         except TrackingError as error:
@@ -588,18 +580,17 @@ class _Session:
             ]
             record.table = rows_table(self.report)
             _write_key_map(self.directory, record.metrics)
-        record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, None)
+        record.log_tensors = upload_tensors(record.log_tensors_mode, verdict, None)
         record.save(self.directory)
         if self.tracker.run_id is None:
             if self.tracking_error:
                 self._keep_for_upload()
             return
         try:
-            self._history(record)
-            regressed = bool(self.regression and self.regression.regressed)
-            record.log_tensors = _upload_tensors(str(self.cfg.tracking.log_tensors), verdict, regressed)
-            record.save(self.directory)
-            publish(self.tracker, record, self.directory)
+            self.regression = publish(self.tracker, record, self.directory)
+            if self.regression is not None and self.regression.regressed:
+                regressed = ", ".join(self.regression.regressed)
+                self.echo(f"paritylab: REGRESSED against {self.regression.baseline_run_id}: {regressed}")
             self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
         except TrackingError as failure:
             self.tracking_error = str(failure)
@@ -608,82 +599,10 @@ class _Session:
             with suppress(TrackingError):
                 self.tracker.end("FAILED")
 
-    def _history(self, record: RunRecord) -> None:
-        """Regression against the pair's baseline, and the pair's trend run (MLflow trackers only)."""
-        tracker = self.tracker
-        if not isinstance(tracker, MlflowTracker) or self.report is None:
-            return
-        tracking = self.cfg.tracking
-        fingerprint = record.tags[FINGERPRINT]
-        experiment = tracker.ensure_experiment()
-        client = tracker.client
-        baseline = tracker.call("find the baseline", find_baseline, client, experiment, fingerprint, tracker.run_id)
-        before = layer_errors(baseline.data.metrics) if baseline is not None else None
-        current = layer_errors({m.key: m.value for m in record.metrics})
-        regression = assess(current, before, tracking.regression_factor, tracking.regression_floor)
-        if baseline is not None:
-            regression.baseline_run_id = baseline.info.run_id
-        record.tags.update(regression.tags())
-        record.metrics += [
-            Metric(f"regression/{layer}/ratio", ratio)
-            for layer, ratio in regression.ratios.items()
-            if math.isfinite(ratio)
-        ]
-        if regression.regressed:
-            self.echo(f"paritylab: REGRESSED against {regression.baseline_run_id}: {', '.join(regression.regressed)}")
-        self.regression = regression
-        if tracking.trend:  # scheduled runs only: the nightly preset, or tracking.trend=true
-            name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
-            tags = {
-                k: record.tags[k]
-                for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")
-            }
-            trend = tracker.call("open the trend run", trend_run, client, experiment, fingerprint, name, tags)
-            step = tracker.call("count", next_trend_step, client, trend)
-            points = [Metric(m.key, m.value, step, self.start_ms) for m in record.metrics if _trend_metric(m.key)]
-            points += [  # log10 (MLflow's axes are linear), every layer in one chart section: nightly/log10_rel_l2
-                Metric(
-                    f"nightly/log10_rel_l2/{m.key.removeprefix('layer/').removesuffix('/rel_l2')}",
-                    log,
-                    step,
-                    self.start_ms,
-                )
-                for m in points
-                if m.key.startswith("layer/") and (log := _log10(m.value)) is not None
-            ]
-            tracker.log_metrics_to(trend, points)
-            record.tags["paritylab.trend_run"] = trend
-            self._trend_heatmap(tracker, trend, [m.key for m in points if m.key.startswith("layer/")])
-
-    def _trend_heatmap(self, tracker: MlflowTracker, trend: str, keys: list[str]) -> None:
-        """``trend_heatmap.svg`` on the trend run (refreshed every night): each layer's error across nights."""
-        histories = {}
-        for key in keys:
-            points = tracker.call("read the trend", tracker.client.get_metric_history, trend, metric_key(key))
-            histories[key.removeprefix("layer/").removesuffix("/rel_l2")] = [(p.timestamp, p.value) for p in points]
-        if not histories:
-            return
-        path = self.directory / "report" / "trend_heatmap.svg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {self.record.run_name}"))
-        tracker.call("upload the trend heatmap", tracker.client.log_artifact, trend, str(path))
-
     def _keep_for_upload(self) -> None:
         self.echo(
             f"paritylab: results kept in {self.directory}; publish them later with: paritylab-upload {self.directory}"
         )
-
-
-def _trend_metric(key: str) -> bool:
-    return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
-
-
-def _upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
-    """``tracking.log_tensors``: ``always``, ``never``, or ``on_failure`` (a run that did not pass, or
-    regressed; the tensors stay in the run directory either way)."""
-    if mode in ("always", "never"):
-        return mode == "always"
-    return verdict != "pass" or bool(regressed)
 
 
 def run_name(cfg: DictConfig, overrides: list[str]) -> str:
@@ -800,10 +719,15 @@ def report_metrics(report: Report) -> list[Metric]:
             _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
     for tower, rows in layer_rows(report).items():
         for number, row in rows:
-            _add(metrics, f"depth/{tower}/log10_rel_l2", _log10(row.rel_l2), number)
-            _add(metrics, f"depth/{tower}/log10_own_rel_l2", _log10(row.local.get("local_rel_l2")), number)
+            _add(metrics, f"depth/{tower}/log10_rel_l2", log10_for_charts(row.rel_l2), number)
+            _add(metrics, f"depth/{tower}/log10_own_rel_l2", log10_for_charts(row.local.get("local_rel_l2")), number)
             cosine = row.metrics.get("cosine")
-            _add(metrics, f"depth/{tower}/log10_1_minus_cosine", _log10(None if cosine is None else 1 - cosine), number)
+            _add(
+                metrics,
+                f"depth/{tower}/log10_1_minus_cosine",
+                log10_for_charts(None if cosine is None else 1 - cosine),
+                number,
+            )
     summary = report.summary()
     _add(metrics, "summary/output_rel_l2", summary["output_rel_l2"], 0)
     _add(metrics, "summary/output_max_abs", summary["output_max_abs"], 0)
@@ -830,16 +754,6 @@ def report_metrics(report: Report) -> list[Metric]:
     return metrics
 
 
-LOG_FLOOR = -12.0
-"""log10 of an error of exactly 0 (or below 1e-12): the bottom of the depth charts."""
-
-
-def _log10(value: float | None) -> float | None:
-    if value is None or not math.isfinite(value):
-        return None
-    return max(LOG_FLOOR, math.log10(value)) if value > 0 else LOG_FLOOR
-
-
 def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> None:
     if value is not None and math.isfinite(float(value)):
         metrics.append(Metric(key, float(value), step))
@@ -863,8 +777,6 @@ def _description(report: Report | None, verdict: str, error: str | None, notes: 
 
 def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
     """``metric_keys.json``: MLflow key -> module path, for every key that had to be made safe."""
-
-    from paritylab.sink.tracking import metric_key
 
     renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
     if renamed:

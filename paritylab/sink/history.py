@@ -18,6 +18,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PAIR = "paritylab.pair"
@@ -58,6 +59,17 @@ class Regression:
             "paritylab.regressed_layers": ",".join(self.regressed) or "none",
             "paritylab.baseline_run": self.baseline_run_id or "none",
         }
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> Regression:
+        """The verdict as :meth:`tags` wrote it (ratios are not kept in tags)."""
+        baseline = tags.get("paritylab.baseline_run", "none")
+        layers = tags.get("paritylab.regressed_layers", "none")
+        return cls(
+            tags.get("paritylab.regression", "none"),
+            None if baseline == "none" else baseline,
+            [] if layers == "none" else layers.split(","),
+        )
 
 
 def layer_errors(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -192,3 +204,19 @@ def next_trend_step(client: Any, run_id: str) -> int:
 
 def _quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def baseline_alignment(tracker: Any, fingerprint: str, directory: Path) -> tuple[str, Path] | None:
+    """The baseline run of the pair and its ``report/alignment.yaml``, downloaded into ``directory``; ``None``
+    when the pair has no baseline yet. ``tracker``: a :class:`~paritylab.sink.tracking.MlflowTracker`."""
+    experiment = tracker.ensure_experiment()
+    baseline = tracker.call("find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id)
+    if baseline is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    run_id = baseline.info.run_id
+    path = tracker.call(
+        "download the baseline's alignment", tracker.client.download_artifacts, run_id, "report/alignment.yaml",
+        str(directory),
+    )  # fmt: skip
+    return run_id, Path(path)

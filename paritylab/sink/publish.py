@@ -8,14 +8,25 @@ files later.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paritylab.sink.tracking import Metric, MlflowTracker, Tracker
-from paritylab.tracing.tracefile import WITHHELD_FILE, write_json
+from paritylab.reports.plots import trend_heatmap
+from paritylab.sink.history import (
+    FINGERPRINT,
+    Regression,
+    assess,
+    find_baseline,
+    layer_errors,
+    next_trend_step,
+    trend_run,
+)
+from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, log10_for_charts, metric_key
+from paritylab.tracing.tracefile import WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
 RUN_UID = "paritylab.run_uid"
@@ -26,6 +37,8 @@ PUBLISHED = "paritylab.published"
 
 @dataclass
 class RunRecord:
+    """Everything a run sends to MLflow, kept in the run directory (``tracking.json``) first."""
+
     run_name: str
     experiment: str
     uri: str | None
@@ -35,6 +48,13 @@ class RunRecord:
     table: dict[str, list[Any]] | None = None
     status: str = "FINISHED"
     log_tensors: bool = True
+    log_tensors_mode: str = "on_failure"
+    """``tracking.log_tensors``: ``always``, ``never``, or ``on_failure`` (decided once the regression is known)."""
+    regression_factor: float = 2.0
+    regression_floor: float = 1e-6
+    trend: bool = False
+    """A scheduled run: it adds a point to the pair's trend run."""
+    start_ms: int | None = None
 
     def save(self, directory: Path) -> Path:
         path = directory / RECORD_FILE
@@ -52,8 +72,16 @@ class RunRecord:
             raise ValueError(f"{path} is not a paritylab run record ({error}); pass a run directory") from error
 
 
-def publish(tracker: Tracker, record: RunRecord, directory: Path) -> None:
-    """Metrics (batched), the comparison table, final tags, every file of the run, then the final status."""
+def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression | None:
+    """The one way a run reaches MLflow, for a live run and ``paritylab-upload`` alike: the regression against
+    the pair's baseline and, for scheduled runs, the trend point (MLflow stores only); then metrics (batched),
+    the comparison table, final tags, every file of the run, and the final status. Returns the regression."""
+    regression = None
+    if isinstance(tracker, MlflowTracker) and FINGERPRINT in record.tags and record.metrics:
+        regression = _history(tracker, record, directory)
+        verdict = record.tags.get("paritylab.verdict", "")
+        record.log_tensors = upload_tensors(record.log_tensors_mode, verdict, bool(regression.regressed))
+        record.save(directory)  # published again (an upload after a failure), the same history is not redone
     tracker.log_metrics(record.metrics)
     if record.table is not None:
         tracker.log_table(record.table, "comparison_table.json")
@@ -61,6 +89,75 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> None:
     log_directory(tracker, directory, record.log_tensors)
     tracker.set_tags({PUBLISHED: "true"})
     tracker.end(record.status)
+    return regression
+
+
+def upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
+    """``tracking.log_tensors``: ``always``, ``never``, or ``on_failure`` (a run that did not pass, or
+    regressed; the tensors stay in the run directory either way)."""
+    if mode in ("always", "never"):
+        return mode == "always"
+    return verdict != "pass" or bool(regressed)
+
+
+def _history(tracker: MlflowTracker, record: RunRecord, directory: Path) -> Regression:
+    """Each layer against the pair's baseline (tags and ``regression/*`` metrics), and on a scheduled run the
+    pair's trend point (once per run: the record remembers it)."""
+    fingerprint = record.tags[FINGERPRINT]
+    if "paritylab.regression" in record.tags:  # computed when this record was published before
+        return Regression.from_tags(record.tags)
+    experiment = tracker.ensure_experiment()
+    baseline = tracker.call("find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id)
+    before = layer_errors(baseline.data.metrics) if baseline is not None else None
+    current = layer_errors({m.key: m.value for m in record.metrics})
+    regression = assess(current, before, record.regression_factor, record.regression_floor)
+    if baseline is not None:
+        regression.baseline_run_id = baseline.info.run_id
+    record.metrics += [
+        Metric(f"regression/{layer}/ratio", ratio) for layer, ratio in regression.ratios.items() if math.isfinite(ratio)
+    ]
+    if record.trend and "paritylab.trend_step" not in record.tags:
+        _trend_point(tracker, record, directory, experiment, fingerprint)
+    record.tags.update(regression.tags())
+    return regression
+
+
+def _trend_point(tracker: MlflowTracker, record: RunRecord, directory: Path, experiment: str, fingerprint: str) -> None:
+    """One point per layer on the pair's trend run, stamped with the run's own start (MLflow's time axis reads
+    as dates), in log10 under one chart section (``nightly/log10_rel_l2/<layer>``); and the layer × night
+    heatmap, refreshed."""
+    name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
+    tags = {k: record.tags[k] for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")}
+    trend = tracker.call("open the trend run", trend_run, tracker.client, experiment, fingerprint, name, tags)
+    step = tracker.call("count", next_trend_step, tracker.client, trend)
+    points = [Metric(m.key, m.value, step, record.start_ms) for m in record.metrics if _trend_metric(m.key)]
+    points += [
+        Metric(
+            f"nightly/log10_rel_l2/{m.key.removeprefix('layer/').removesuffix('/rel_l2')}", log, step, record.start_ms
+        )
+        for m in points
+        if m.key.startswith("layer/") and (log := log10_for_charts(m.value)) is not None
+    ]
+    tracker.log_metrics_to(trend, points)
+    record.tags.update({"paritylab.trend_run": trend, "paritylab.trend_step": str(step)})
+    record.save(directory)  # logged: published again after a failure, this point is not added twice
+    histories = {}
+    for key in (m.key for m in points if m.key.startswith("layer/")):
+        history = tracker.call("read the trend", tracker.client.get_metric_history, trend, metric_key(key))
+        histories[_layer(key)] = [(p.timestamp, p.value) for p in history]
+    if histories:
+        path = directory / "report" / "trend_heatmap.svg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {record.run_name}"))
+        tracker.call("upload the trend heatmap", tracker.client.log_artifact, trend, str(path))
+
+
+def _layer(key: str) -> str:
+    return key.removeprefix("layer/").removesuffix("/rel_l2")
+
+
+def _trend_metric(key: str) -> bool:
+    return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
 
 
 def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> None:
@@ -94,7 +191,6 @@ def upload(directory: Path, uri: str | None = None, experiment: str | None = Non
     """Publish ``directory``'s ``tracking.json`` and files; returns the run id and whether it was already
     published. Idempotent: the run a live run started (left FAILED or RUNNING when the store failed) is
     found by the directory's run id tag and finished, never duplicated; a published run is left alone."""
-    from paritylab.tracing.tracefile import check_directory
 
     check_directory(directory, "run")  # nothing from outside the run directory is ever uploaded
     record = RunRecord.load(directory)

@@ -223,3 +223,8 @@ def _next_sweep_number(client: Any, experiment_id: str) -> int:
 
 def _write(directory: Path, state: dict[str, Any]) -> None:
     write_json(directory / STATE_FILE, state, indent=1)
+
+
+def close_stale(tracker: Any) -> list[str]:
+    """:func:`close_stale_runs` in the tracker's experiment (``tracker``: an ``MlflowTracker``)."""
+    return list(tracker.call("close stale runs", close_stale_runs, tracker.client, tracker.ensure_experiment()))

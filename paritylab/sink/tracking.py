@@ -4,6 +4,7 @@ bounded HTTP timeouts, and metric keys that MLflow accepts whatever the module n
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import time
@@ -21,6 +22,17 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.\- /:]")
 
 class TrackingError(RuntimeError):
     """The tracking server or store failed; the local files are kept."""
+
+
+LOG_FLOOR = -12.0
+"""log10 charts start here: an error of 0 (or below 1e-12) is drawn at the bottom, not left out."""
+
+
+def log10_for_charts(value: float | None) -> float | None:
+    """``log10(value)`` for MLflow's linear chart axes, floored at :data:`LOG_FLOOR`; ``None`` when not finite."""
+    if value is None or not math.isfinite(value):
+        return None
+    return max(LOG_FLOOR, math.log10(value)) if value > 0 else LOG_FLOOR
 
 
 def metric_key(text: str) -> str:
