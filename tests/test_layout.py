@@ -45,3 +45,18 @@ def test_each_layer_is_a_package_with_a_docstring():
     for layer in ALLOWED:
         init = PACKAGE / layer / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), layer
+
+
+def test_only_the_sink_talks_to_mlflow():
+    """MLflow's client and modules are used in ``paritylab/sink`` only; everything else goes through it."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "sink":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "client":
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .client")
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {n}" for n in names if n.startswith("mlflow")]
+    assert found == []

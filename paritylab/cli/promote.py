@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paritylab.sink.history import promote
+from paritylab.sink.history import promote_run
 from paritylab.sink.tracking import MlflowTracker, TrackingError
 
 
@@ -22,9 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="promote a run that is not a clean pass anyway")
     args = parser.parse_args(argv)
     try:
-        tracker = MlflowTracker(args.tracking_uri, "paritylab")
-        tracker.call("read the run", tracker.client.get_run, args.run_id)
-        superseded = promote(tracker.client, args.run_id, args.force)  # a refusal is a ValueError
+        superseded = promote_run(MlflowTracker(args.tracking_uri, "paritylab"), args.run_id, args.force)
     except (TrackingError, ValueError) as error:
         print(f"paritylab-promote: {error}", file=sys.stderr)
         return 2

@@ -220,3 +220,10 @@ def baseline_alignment(tracker: Any, fingerprint: str, directory: Path) -> tuple
         str(directory),
     )  # fmt: skip
     return run_id, Path(path)
+
+
+def promote_run(tracker: Any, run_id: str, force: bool = False) -> list[str]:
+    """:func:`promote` through a tracker (``MlflowTracker``): the run is read first, so a wrong id is one line.
+    A refusal is a ``ValueError`` naming the reason."""
+    tracker.call("read the run", tracker.client.get_run, run_id)
+    return list(promote(tracker.client, run_id, force))
