@@ -25,6 +25,7 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
+@pytest.mark.slow
 def test_bisect_names_the_commit_that_broke_parity(tmp_path):
     repo = tmp_path / "candidate-code"
     repo.mkdir()

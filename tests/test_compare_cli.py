@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers.model_debugging_utils import model_addition_debugger_context
 
@@ -26,6 +27,7 @@ def compare(*args):
     )
 
 
+@pytest.mark.slow
 def test_debugger_traces_compare_through_the_cli(tmp_path):
     reference = debugger_trace(tiny_llama(), tmp_path / "ref")
     same = debugger_trace(tiny_llama(), tmp_path / "same")
@@ -46,6 +48,7 @@ def test_debugger_traces_compare_through_the_cli(tmp_path):
     assert "rules:" in (tmp_path / "a.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_tolerance_flags_and_bad_input(tmp_path, capsys):
     reference = debugger_trace(tiny_llama(), tmp_path / "ref")
     model = tiny_llama()

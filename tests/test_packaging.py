@@ -42,6 +42,7 @@ def test_wheel_ships_configs_and_the_port_inside_paritylab(wheel):
         assert script in text
 
 
+@pytest.mark.slow
 def test_installed_wheel_runs_the_main_command_from_an_empty_directory(wheel, tmp_path):
     target, empty = tmp_path / "site", tmp_path / "empty"
     empty.mkdir()

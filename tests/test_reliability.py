@@ -103,6 +103,7 @@ def test_different_call_counts_dtypes_and_shapes_are_rows(tmp_path):
 # -- MLflow unreachable or failing -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path):
     started = time.monotonic()
     result = app(tmp_path, f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout=2", "compare.replay=false")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,11 @@ def app(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_default_run_end_to_end(tmp_path):
-    result = app(tmp_path, "model=llava", "candidate=port")
+    result = app(tmp_path, "--profile", "model=llava", "candidate=port")  # --profile: a cProfile of the process
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "paritylab: profile written to paritylab.prof" in result.stdout
+    profile = pstats.Stats(str(tmp_path / "paritylab.prof"))
+    assert any(name == "run" and "runner.py" in path for path, _, name in profile.stats)  # type: ignore[attr-defined]
     assert "PASS" in result.stdout and "mlflow ui --backend-store-uri sqlite:///" in result.stdout
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run_info,) = parity_runs(client)
@@ -106,16 +110,6 @@ def test_default_run_end_to_end(tmp_path):
     assert node["stats"]["mean"] == pytest.approx(local.tensor(local.call("lm_head#0").outputs).mean().item(), abs=1e-6)
     again = compare_traces(downloaded, Trace.load(artifacts / "candidate"))
     assert again.verdict == "inconclusive"  # the uploaded copy holds statistics only: never a plain PASS
-
-
-def test_profile_flag_writes_a_profile_of_the_whole_process(tmp_path):
-    result = app(tmp_path, "--profile", "tracking=off", "compare.replay=false")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "paritylab: profile written to paritylab.prof" in result.stdout
-    import pstats
-
-    stats = pstats.Stats(str(tmp_path / "paritylab.prof"))
-    assert any(name == "run" and "runner.py" in path for path, _, name in stats.stats)  # type: ignore[attr-defined]
 
 
 def test_port_matches_reference_logits_in_fp32():
@@ -275,6 +269,7 @@ def test_pretrained_checkpoint_with_its_processor_and_image(tmp_path):
     assert client.get_run(result.run_id).data.params["model.build.pretrained"] == str(checkpoint)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("candidate", ["sdpa", "compiled"])
 def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
     overrides = ["model=llama", f"candidate={candidate}", "compare.replay=false"]
@@ -295,6 +290,7 @@ def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
         assert any("compiled" in note for note in result.notes)
 
 
+@pytest.mark.slow
 def test_user_configs_from_another_directory(tmp_path):
     mine = tmp_path / "my_conf" / "candidate"
     mine.mkdir(parents=True)

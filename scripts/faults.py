@@ -1,0 +1,246 @@
+"""Break paritylab from outside, as a user would, and say for each fault whether the promise held.
+
+    python scripts/faults.py            # from a checkout with the project installed; ~3 minutes on 2 cores
+
+Each fault runs the real commands (``python -m paritylab``, ``paritylab-compare``, ``paritylab-upload``) in a
+temporary directory that is removed afterwards, and is classified:
+
+- **held**: the promised outcome (exit code, one-line message, no false PASS, nothing lost), in time;
+- **degraded**: the outcome is safe but not as promised (slow, several lines, a traceback);
+- **broken**: a false PASS, a lost run, a hang, or the wrong exit code.
+
+This is the list of the reliability issue (#15); the test suite covers each fault too, this re-runs them from
+outside the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+Outcome = tuple[str, str]
+
+
+def run(args: list[str], cwd: Path, timeout: float = 300) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    result = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+def app(cwd: Path, *overrides: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess[str], float]:
+    return run([sys.executable, "-m", "paritylab", *overrides, f"hydra.run.dir={cwd / 'run'}"], cwd, timeout)
+
+
+def compare(cwd: Path, *args: str | Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    return run([sys.executable, "-m", "paritylab.cli.compare", *map(str, args)], cwd, timeout=60)
+
+
+def one_line_exit_2(result: subprocess.CompletedProcess[str], seconds: float, limit: float) -> Outcome:
+    lines = [line for line in (result.stdout + result.stderr).strip().splitlines() if line.startswith("paritylab")]
+    if result.returncode == 0:
+        return "broken", "exit 0"
+    if result.returncode != 2:
+        return "broken", f"exit {result.returncode}"
+    if "Traceback" in result.stderr:
+        return "degraded", "exit 2 with a traceback"
+    if seconds > limit:
+        return "degraded", f"exit 2 after {seconds:.1f} s (promised within {limit:.0f} s)"
+    return "held", f"exit 2 in {seconds:.1f} s: {lines[-1][:110] if lines else result.stderr.strip()[:110]}"
+
+
+def good_trace(root: Path) -> Path:
+    code = (
+        "import torch, paritylab\nfrom torch import nn\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+        f"with paritylab.trace(m, {str(root)!r}, save_tensors=True):\n    m(torch.randn(3, 4))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=ENV, check=True, capture_output=True)
+    return root
+
+
+def copy_of(trace: Path, target: Path) -> Path:
+    shutil.copytree(trace, target)
+    return target
+
+
+# -- the faults ---------------------------------------------------------------------------------------------------
+
+
+def no_values_no_pass(cwd: Path) -> Outcome:
+    bug = ["candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+           "+candidate.ports.llava.build.module=llm.layers.1.attention.wo"]  # fmt: skip
+    result, _ = app(cwd, *bug, "compare.max_bytes=0", "tracking=off")
+    if result.returncode == 0:
+        return "broken", "a wrong model passed with compare.max_bytes=0"
+    return "held", f"exit {result.returncode}: {result.stdout.strip().splitlines()[-2][:110]}"
+
+
+def sigterm_mid_run(cwd: Path) -> Outcome:
+    command = [sys.executable, "-m", "paritylab", "candidate.ports.llava.build._target_=tests.faulty.slow_port",
+               f"tracking.uri=sqlite:///{cwd / 'mlflow.db'}", f"hydra.run.dir={cwd / 'run'}"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (cwd / "run" / "candidate").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    summary = cwd / "run" / "run.json"
+    status = _statuses(cwd / "mlflow.db")
+    if process.returncode != 130 or not summary.exists():
+        return "broken", f"exit {process.returncode}, run.json {'kept' if summary.exists() else 'missing'}"
+    if "Traceback" in output:
+        return "degraded", "exit 130 with a traceback"
+    return ("held" if status == ["KILLED"] else "degraded"), f"exit 130, run.json kept, MLflow run {status}"
+
+
+def _statuses(database: Path) -> list[str]:
+    if not database.exists():
+        return []
+    with sqlite3.connect(database) as connection:
+        return [row[0] for row in connection.execute("select status from runs")]
+
+
+def hostile(kind: str) -> Callable[[Path], Outcome]:
+    def fault(cwd: Path) -> Outcome:
+        trace = good_trace(cwd / "good")
+        target = copy_of(trace, cwd / "hostile")
+        if kind == "fifo":
+            os.mkfifo(target / "model_debug_tree_FULL_TENSORS.json")
+        elif kind == "dev_zero":
+            (target / "model_debug_tree_FULL_TENSORS.json").symlink_to("/dev/zero")
+        elif kind == "symlink_out":
+            outside = cwd / "outside.json"
+            outside.write_text((target / "trace.json").read_text())
+            (target / "trace.json").unlink()
+            (target / "trace.json").symlink_to(outside)
+        elif kind == "deep":
+            (target / "trace.json").write_text('{"calls": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        elif kind == "infinity":
+            document = json.loads((target / "trace.json").read_text())
+            document["calls"][1]["index"] = 10**400
+            (target / "trace.json").write_text(json.dumps(document).replace("1" + "0" * 400, "Infinity"))
+        elif kind == "empty":
+            document = json.loads((target / "trace.json").read_text())
+            document["calls"] = []
+            (target / "trace.json").write_text(json.dumps(document))
+        try:
+            result, seconds = compare(cwd, trace, target)
+        except subprocess.TimeoutExpired:
+            return "broken", "hangs (60 s timeout)"
+        return one_line_exit_2(result, seconds, 10)
+
+    return fault
+
+
+def kill_9_then_a_plain_run(cwd: Path) -> Outcome:
+    uri = f"sqlite:///{cwd / 'mlflow.db'}"
+    command = [sys.executable, "-m", "paritylab", "candidate.ports.llava.build._target_=tests.faulty.slow_port",
+               f"tracking.uri={uri}", f"hydra.run.dir={cwd / 'killed'}"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (cwd / "killed" / "candidate").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.kill()
+    process.wait()
+    kept = (cwd / "killed" / "reference" / "trace.json").exists()
+    app(cwd, f"tracking.uri={uri}", "compare.replay=false")
+    statuses = sorted(_statuses(cwd / "mlflow.db"))
+    if statuses != ["FINISHED", "KILLED"]:
+        return "broken", f"after the next run the statuses are {statuses}"
+    return (
+        "held" if kept else "degraded"
+    ), f"the dead run closed KILLED by the next plain run; reference trace kept: {kept}"
+
+
+def upload_twice(cwd: Path) -> Outcome:
+    result, _ = app(cwd, "tracking.uri=http://127.0.0.1:9", "tracking.timeout=2", "compare.replay=false")
+    if result.returncode != 2:
+        return "broken", f"an unreachable server gave exit {result.returncode}"
+    store = f"sqlite:///{cwd / 'later.db'}"
+    for _ in range(2):
+        upload, _ = run([sys.executable, "-m", "paritylab.cli.upload", str(cwd / "run"), "--tracking-uri", store], cwd)
+        if upload.returncode != 0:
+            return "broken", f"upload exit {upload.returncode}: {upload.stderr.strip()[:100]}"
+    statuses = _statuses(cwd / "later.db")
+    verdict = "held" if statuses == ["FINISHED"] else "broken"
+    return verdict, f"unreachable server: exit 2, results kept; two uploads make {len(statuses)} run(s) {statuses}"
+
+
+def upload_symlink_out(cwd: Path) -> Outcome:
+    app(cwd, "tracking=off", "compare.replay=false")
+    secret = cwd / "secret.txt"
+    secret.write_text("not yours")
+    (cwd / "run" / "report" / "leak.txt").symlink_to(secret)
+    result, seconds = run([sys.executable, "-m", "paritylab.cli.upload", str(cwd / "run"),
+                           "--tracking-uri", f"sqlite:///{cwd / 'u.db'}"], cwd)  # fmt: skip
+    return one_line_exit_2(result, seconds, 30)
+
+
+def config_fault(*overrides: str, limit: float = 10) -> Callable[[Path], Outcome]:
+    def fault(cwd: Path) -> Outcome:
+        result, seconds = app(cwd, *overrides)
+        outcome = one_line_exit_2(result, seconds, limit)
+        if (cwd / "mlflow.db").exists() and _statuses(cwd / "mlflow.db"):
+            return "degraded", outcome[1] + "; and it left a run in MLflow"
+        return outcome
+
+    return fault
+
+
+def output_under_a_file(cwd: Path) -> Outcome:
+    (cwd / "a-file").write_text("x")
+    return config_fault(f"output_dir={cwd / 'a-file' / 'run'}")(cwd)
+
+
+FAULTS: dict[str, Callable[[Path], Outcome]] = {
+    "no tensor values stored (max_bytes=0) on a wrong model": no_values_no_pass,
+    "SIGTERM mid-run": sigterm_mid_run,
+    "FIFO named *_FULL_TENSORS.json": hostile("fifo"),
+    "*_FULL_TENSORS.json -> /dev/zero": hostile("dev_zero"),
+    "trace.json symlinked outside": hostile("symlink_out"),
+    "100k-deep JSON nesting": hostile("deep"),
+    '"index": Infinity': hostile("infinity"),
+    "an empty trace": hostile("empty"),
+    "kill -9 mid-run, then a plain run": kill_9_then_a_plain_run,
+    "server unreachable, then upload twice": upload_twice,
+    "upload with a symlink out of the run directory": upload_symlink_out,
+    "output_dir under a file": output_under_a_file,
+    "compare.rtol=-1": config_fault("compare.rtol=-1"),
+    "an invalid per-module pattern": config_fault("+compare.modules={'[': {rtol: 1e-3}}"),
+    "model=llama candidate=port": config_fault("model=llama", "candidate=port"),
+    "tracking.uri=htp://nowhere": config_fault("tracking.uri=htp://nowhere"),
+}
+
+
+def main() -> int:
+    results = []
+    for name, fault in FAULTS.items():
+        scratch = Path(tempfile.mkdtemp(prefix="paritylab-fault-"))
+        try:
+            verdict, detail = fault(scratch)
+        except Exception as error:  # the harness itself: report, never hide
+            verdict, detail = "broken", f"{type(error).__name__}: {error}"[:200]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        results.append((name, verdict, detail))
+        print(f"| {name} | {verdict} | {detail} |", flush=True)
+    counts = {v: sum(1 for _, verdict, _ in results if verdict == v) for v in ("held", "degraded", "broken")}
+    print(f"\n{len(results)} faults: {counts['held']} held, {counts['degraded']} degraded, {counts['broken']} broken")
+    return 1 if counts["broken"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
