@@ -560,3 +560,27 @@ def test_infinity_where_an_index_belongs_is_one_line(good_trace, tmp_path):
     (target / "trace.json").write_text(text.replace('"index":1,', '"index":Infinity,', 1))
     with pytest.raises(TraceFormatError, match="malformed call record"):
         Trace.load(target)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"calls": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests JSON deeper than any trace does"),
+        (None, "holds a trace with no module calls"),
+    ],
+    ids=["deep-nesting", "empty-trace"],
+)
+def test_deep_nesting_and_empty_traces_are_format_errors(good_trace, tmp_path, content, expected):
+    """100k-deep nesting would raise RecursionError inside the JSON reader; an empty trace would compare as
+    "nothing to compare". Both are malformed input: one line (TraceFormatError, exit 2 from the CLI)."""
+    from paritylab.cli.compare import main as compare_main
+
+    target = copy_trace(good_trace, tmp_path / "bad")
+    if content is None:
+        document = json.loads((target / "trace.json").read_text())
+        document["calls"] = []
+        content = json.dumps(document)
+    (target / "trace.json").write_text(content)
+    with pytest.raises(TraceFormatError, match=expected):
+        Trace.load(target)
+    assert compare_main([str(good_trace), str(target)]) == 2

@@ -205,15 +205,18 @@ class Trace:
         if not path.is_dir():
             raise TraceFormatError(f"{path} is not a directory: pass the directory a trace was written to")
         check_directory(path)
-        if (path / TRACE_FILE).is_file():
-            return _load_paritylab(path)
+        found = _load_paritylab(path) if (path / TRACE_FILE).is_file() else None
         for reader in OTHER_FORMATS:
-            found = reader(path)
             if found is not None:
-                return found
-        raise TraceFormatError(
-            f"{path} holds no trace: expected {TRACE_FILE} or a transformers *_debug_tree_FULL_TENSORS.json"
-        )
+                break
+            found = reader(path)
+        if found is None:
+            raise TraceFormatError(
+                f"{path} holds no trace: expected {TRACE_FILE} or a transformers *_debug_tree_FULL_TENSORS.json"
+            )
+        if not found.calls:
+            raise TraceFormatError(f"{path} holds a trace with no module calls: nothing to compare; re-trace the model")
+        return found
 
 
 OTHER_FORMATS: list[Callable[[Path], Trace | None]] = []
@@ -410,3 +413,5 @@ def read_json(path: Path, limit: int = MAX_TRACE_JSON_BYTES) -> Any:
             return json.load(handle)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TraceFormatError(f"{path} is not valid JSON: {error}") from error
+    except RecursionError as error:
+        raise TraceFormatError(f"{path} nests JSON deeper than any trace does: not a trace file") from error
