@@ -127,6 +127,8 @@ def hostile(kind: str) -> Callable[[Path], Outcome]:
             (target / "trace.json").symlink_to(outside)
         elif kind == "deep":
             (target / "trace.json").write_text('{"calls": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        elif kind == "wide":
+            (target / "trace.json").write_text('{"calls": [' + "{}," * 56_000_000 + "{}]}")
         elif kind == "infinity":
             document = json.loads((target / "trace.json").read_text())
             document["calls"][1]["index"] = 10**400
@@ -212,6 +214,7 @@ FAULTS: dict[str, Callable[[Path], Outcome]] = {
     "*_FULL_TENSORS.json -> /dev/zero": hostile("dev_zero"),
     "trace.json symlinked outside": hostile("symlink_out"),
     "100k-deep JSON nesting": hostile("deep"),
+    "168 MB of tiny JSON values": hostile("wide"),
     '"index": Infinity': hostile("infinity"),
     "an empty trace": hostile("empty"),
     "kill -9 mid-run, then a plain run": kill_9_then_a_plain_run,

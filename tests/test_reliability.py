@@ -584,3 +584,16 @@ def test_deep_nesting_and_empty_traces_are_format_errors(good_trace, tmp_path, c
     with pytest.raises(TraceFormatError, match=expected):
         Trace.load(target)
     assert compare_main([str(good_trace), str(target)]) == 2
+
+
+def test_json_memory_is_bounded_by_a_count_of_values_before_parsing(good_trace, tmp_path, monkeypatch):
+    """Memory per parsed JSON value is bounded (~90 bytes), so the value count bounds a load's memory whatever
+    the file's shape (``[{},{},...]`` costs ~25x its size). The count is taken before parsing."""
+    import paritylab.tracing.tracefile as tracefile
+
+    target = copy_trace(good_trace, tmp_path / "wide")
+    Trace.load(target)  # the real trace is within any sane bound
+    monkeypatch.setattr(tracefile, "MAX_TRACE_JSON_ELEMENTS", 200)
+    (target / "trace.json").write_text('{"calls": [' + ",".join(["{}"] * 300) + "]}")
+    with pytest.raises(TraceFormatError, match=r"holds about 60\d JSON values, over the 200"):
+        Trace.load(target)

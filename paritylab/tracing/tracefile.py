@@ -19,6 +19,10 @@ SCHEMA_VERSION = 1
 TRACE_FILE = "trace.json"
 INDEX_FILE = "tensors.index.json"
 MAX_TRACE_JSON_BYTES = 512 * 1024 * 1024
+MAX_TRACE_JSON_ELEMENTS = 16_000_000
+"""Values (counted as ``,``, ``[`` and ``{`` bytes) a trace JSON may hold. Python spends up to about 90 bytes
+per parsed value (a trace of 80,000 calls holds 4 million and takes 350 MB), so this caps a load at about
+1.5 GB whatever the file's shape: 168 MB of ``[{},{},...]`` would otherwise take 4.5 GB."""
 
 
 class TraceFormatError(ValueError):
@@ -409,8 +413,20 @@ def read_json(path: Path, limit: int = MAX_TRACE_JSON_BYTES) -> Any:
     if size > limit:
         raise TraceFormatError(f"{path} is {size} bytes, over the {limit}-byte limit for trace JSON")
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as error:
+        raise TraceFormatError(f"cannot read {path}: {error.strerror}") from error
+    if len(data) > limit:
+        raise TraceFormatError(f"{path} grew past the {limit}-byte limit for trace JSON while being read")
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values > MAX_TRACE_JSON_ELEMENTS:
+        raise TraceFormatError(
+            f"{path} holds about {values} JSON values, over the {MAX_TRACE_JSON_ELEMENTS} a trace may hold "
+            "(memory is bounded per value): split the trace (trace fewer modules or steps)"
+        )
+    try:
+        return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TraceFormatError(f"{path} is not valid JSON: {error}") from error
     except RecursionError as error:
