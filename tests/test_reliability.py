@@ -200,6 +200,105 @@ def test_a_full_disk_while_finishing_fails_the_run_in_one_line_and_never_leaves_
     assert (tmp_path / "run" / "report" / "report.json").is_file()  # what was written before stays
 
 
+def _fault(kind: str) -> None:
+    """SIGTERM delivered to this process (the run's handler turns it into an exception at once), or ENOSPC."""
+    import errno
+
+    if kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # never reached: the handler raises on the next bytecode
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _inject(monkeypatch, phase: str, kind: str) -> None:
+    """Make ``phase`` of a run fail with ``kind``, from inside that phase's own code."""
+    import paritylab.run.runner as runner_module
+
+    def failing(*args, **kwargs):
+        _fault(kind)
+
+    if phase == "forward":  # inside the candidate's forward, with the tracer's hooks live
+        real_build = runner_module.build_candidate
+
+        def build_with_a_fault(*args, **kwargs):
+            candidate = real_build(*args, **kwargs)
+            layer = next(m for name, m in candidate.model.named_modules() if name.endswith("layers.1"))
+            layer.register_forward_pre_hook(lambda module, inputs: _fault(kind))
+            return candidate
+
+        monkeypatch.setattr(runner_module, "build_candidate", build_with_a_fault)
+    else:
+        target = {"build": "build_candidate", "compare": "compare_traces", "report": "to_html", "publish": "publish"}
+        if phase == "replay":
+            monkeypatch.setattr(runner_module._Session, "_replay", failing)
+        else:
+            monkeypatch.setattr(runner_module, target[phase], failing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sigterm", "enospc"])
+@pytest.mark.parametrize("phase", ["build", "forward", "compare", "replay", "report", "publish"])
+def test_a_signal_or_a_full_disk_at_every_phase_closes_the_run_and_keeps_what_was_written(
+    tmp_path, monkeypatch, phase, kind
+):
+    """At every phase: no run left RUNNING (KILLED after a signal, FAILED after ENOSPC), no traceback, one
+    line, the documented exit code (130 or 2), run.json written and every file written before the fault kept."""
+    _inject(monkeypatch, phase, kind)
+    said: list[str] = []
+    uri = migrated_store(tmp_path / "mlflow.db")
+    result = run(compose([f"tracking.uri={uri}", "model=llama", "candidate=bf16"]), tmp_path / "run", echo=said.append)
+    assert result.exit_code == (130 if kind == "sigterm" else 2), said
+    assert not any("Traceback" in line for line in said)
+    messages = [line for line in said if "interrupted" in line or "No space left" in line]
+    assert messages and all("\n" not in line for line in messages)  # the fault in one line (and the report's)
+    assert messages[-1].startswith("paritylab: ")
+    (status,) = [r.info.status for r in MlflowClient(uri).search_runs(["0", *_experiments(uri)])]
+    assert status == ("KILLED" if kind == "sigterm" else "FAILED")
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert summary["exit_code"] == result.exit_code and summary["status"] in ("KILLED", "FAILED", "FINISHED")
+    if phase != "build":
+        assert Trace.load(tmp_path / "run" / "reference").calls  # the reference's whole trace is kept
+    if phase == "forward":
+        partial = Trace.load(tmp_path / "run" / "candidate")  # the candidate's trace up to the fault
+        assert partial.meta["status"] == "error" and any(c.path.endswith("layers.0") for c in partial.calls)
+    if phase in ("report", "publish"):
+        assert (tmp_path / "run" / "report" / "report.json").is_file()
+    if phase == "publish":
+        assert (tmp_path / "run" / "tracking.json").is_file()  # paritylab-upload can finish the run
+
+
+def _experiments(uri: str) -> list[str]:
+    return [e.experiment_id for e in MlflowClient(uri).search_experiments() if e.experiment_id != "0"]
+
+
+@pytest.mark.parametrize("kind", ["sigterm", "enospc"])
+def test_a_signal_or_a_full_disk_while_uploading_closes_the_run_and_a_second_upload_finishes_it(
+    tmp_path, monkeypatch, kind
+):
+    import paritylab.sink.publish as publish_module
+    from paritylab.cli.upload import main as upload_main
+
+    result = run(compose(["tracking=off", "model=llama", "candidate=bf16", "compare.replay=false"]),
+                 tmp_path / "run", echo=lambda _: None)  # fmt: skip
+    assert result.exit_code == 0 and (tmp_path / "run" / "tracking.json").is_file()
+    uri = migrated_store(tmp_path / "mlflow.db")
+    real_publish = publish_module.publish
+
+    def publish_with_a_fault(tracker, record, directory):
+        tracker.log_metrics(record.metrics[:3])  # part of it got through
+        _fault(kind)
+
+    monkeypatch.setattr(publish_module, "publish", publish_with_a_fault)
+    assert upload_main([str(tmp_path / "run"), "--tracking-uri", uri]) == (130 if kind == "sigterm" else 2)
+    (first,) = MlflowClient(uri).search_runs(_experiments(uri))
+    assert first.info.status == ("KILLED" if kind == "sigterm" else "FAILED")
+    monkeypatch.setattr(publish_module, "publish", real_publish)
+    assert upload_main([str(tmp_path / "run"), "--tracking-uri", uri]) == 0
+    (again,) = MlflowClient(uri).search_runs(_experiments(uri))  # the same run, finished: never a second one
+    assert again.info.run_id == first.info.run_id and again.info.status == "FINISHED"
+    assert again.data.tags["paritylab.verdict"] == "pass"
+
+
 # -- disk budget -------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,10 @@
 """Publish a run directory to MLflow later (the server was unreachable, or failed mid-run).
 
 paritylab-upload RUN_DIR [--tracking-uri URI] [--experiment NAME]
+
+Exit codes: 0 published (or already), 2 bad input, an unreachable store or a failure while publishing
+(a full disk), 130 interrupted. A failed or interrupted upload closes its run FAILED or KILLED and can be
+run again: it finds that run by the directory's id tag and finishes it.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from paritylab.sink.interrupts import EXIT_INTERRUPTED, sigterm_as_interrupt
 from paritylab.sink.publish import RunRecord, upload
 from paritylab.sink.tracking import TrackingError
 
@@ -19,10 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", help="default: the run's own, else MLFLOW_TRACKING_URI, else sqlite")
     parser.add_argument("--experiment")
     args = parser.parse_args(argv)
+    again = f"run paritylab-upload {args.directory} again to finish it"
     try:
-        run_id, already = upload(args.directory, args.tracking_uri, args.experiment)
+        with sigterm_as_interrupt():
+            run_id, already = upload(args.directory, args.tracking_uri, args.experiment)
     except (ValueError, TrackingError) as error:
         print(f"paritylab-upload: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"paritylab-upload: interrupted; the run is marked KILLED; {again}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as error:
+        print(f"paritylab-upload: publishing failed: {error}; the run is marked FAILED; {again}", file=sys.stderr)
         return 2
     if already:
         print(f"paritylab-upload: {args.directory} is already published as run {run_id}; nothing to do")

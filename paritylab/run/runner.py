@@ -12,14 +12,13 @@ import math
 import os
 import platform
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from paritylab.run.parity import Floors, estimate_floors, local_floors, low_prec
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, infer_call
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
+from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
 from paritylab.sink.publish import RUN_UID, RunRecord, publish, upload_tensors
 from paritylab.sink.sweep import close_stale, process_start, sweep_state
 from paritylab.sink.tracking import (
@@ -54,14 +54,10 @@ from paritylab.sink.tracking import (
 from paritylab.tracing.tracefile import Trace, display_path, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, turned into an exception so the run can be closed as KILLED with what it produced."""
 
 
 @dataclass
@@ -94,7 +90,7 @@ def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[st
         write_json(out / "run.json", {"exit_code": EXIT_ERROR, "verdict": "error", "error": one_line(error)}, indent=1)
         return RunResult(EXIT_ERROR, out, error=str(error))
     session = _Session(cfg, out, echo)
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         return session.execute()
 
 
@@ -155,7 +151,7 @@ class _Session:
         try:
             self._finish_tracking(status, error)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while publishing: the results are on disk; say so, exit 130
-            with _signals_ignored():
+            with signals_ignored():
                 self.tracking_error = "interrupted while publishing to MLflow"
                 self.echo(f"paritylab: {self.tracking_error}; the run is marked KILLED")
                 with suppress(Exception):
@@ -173,7 +169,7 @@ class _Session:
             code = EXIT_FAIL
         self._mark("publish")
         self.echo("paritylab: seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in self.timings.items()))
-        with _signals_ignored():  # a second signal must not lose the summary
+        with signals_ignored():  # a second signal must not lose the summary
             try:
                 self._write_run_summary(status, code, error)
             except OSError as failure:  # a full disk: say so in one line; the exit code still tells
@@ -821,40 +817,3 @@ def _git_commit(directory: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.strip() or None if result.returncode == 0 else None
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`Interrupted` in the main thread for the duration (so the run ends KILLED)."""
-    if sys.platform == "win32" or not _main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored for the duration (closing a run and writing its summary after a signal)."""
-    if sys.platform == "win32" or not _main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()

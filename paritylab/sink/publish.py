@@ -11,6 +11,7 @@ import json
 import math
 import socket
 import tempfile
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from paritylab.sink.history import (
     next_trend_step,
     trend_run,
 )
+from paritylab.sink.interrupts import signals_ignored
 from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, log10_for_charts, metric_key
 from paritylab.tracing.tracefile import WITHHELD_FILE, check_directory, write_json
 
@@ -205,7 +207,12 @@ def upload(directory: Path, uri: str | None = None, experiment: str | None = Non
         tracker.start(record.run_name, tags)
         tracker.log_params(record.params)
     record.tags = tags
-    publish(tracker, record, directory)
+    try:
+        publish(tracker, record, directory)
+    except BaseException as failure:  # a signal, a full disk, the store: never leave the run RUNNING
+        with signals_ignored(), suppress(Exception):
+            tracker.end("KILLED" if isinstance(failure, KeyboardInterrupt) else "FAILED")
+        raise  # the run is not marked published: the next upload finds it by its id tag and finishes it
     return tracker.run_id, False
 
 
