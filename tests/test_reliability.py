@@ -499,6 +499,55 @@ def test_fuzzed_safetensors_headers_never_crash_or_overread(tmp_path_factory, he
     assert value.numel() * value.element_size() <= len(header)
 
 
+DIRECTORY_MUTATIONS = ("flip bytes", "truncate", "delete", "append junk", "replace JSON", "zero-length")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_trace_directories_never_crash_the_reader(good_trace, tmp_path_factory, data):
+    """The whole directory format, both layouts: paritylab's own (``trace.json``, ``tensors.index.json``,
+    shards) and transformers' debugger files (read when ``trace.json`` is absent). Any file may get flipped
+    bytes, be cut short, deleted, grown, emptied or have a JSON value swapped in; loading and comparing then
+    either works or gives a one-line format error, never another exception or a hang."""
+    target = copy_trace(good_trace, tmp_path_factory.mktemp("fuzzdir"))
+    if data.draw(st.booleans(), label="debugger layout"):
+        (target / "trace.json").unlink()
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        files = sorted(p.name for p in target.iterdir())
+        if not files:
+            break
+        path = target / data.draw(st.sampled_from(files), label="file")
+        kind = data.draw(st.sampled_from(DIRECTORY_MUTATIONS), label="mutation")
+        content = path.read_bytes()
+        if kind == "flip bytes" and content:
+            mutable = bytearray(content)
+            for _ in range(data.draw(st.integers(1, 8))):
+                mutable[data.draw(st.integers(0, len(content) - 1))] = data.draw(st.integers(0, 255))
+            path.write_bytes(bytes(mutable))
+        elif kind == "truncate":
+            path.write_bytes(content[: data.draw(st.integers(0, max(0, len(content) - 1)))])
+        elif kind == "delete":
+            path.unlink()
+        elif kind == "append junk":
+            path.write_bytes(content + data.draw(st.binary(min_size=1, max_size=64)))
+        elif kind == "zero-length":
+            path.write_bytes(b"")
+        elif kind == "replace JSON" and path.suffix == ".json":
+            try:
+                document = json.loads(content)
+            except ValueError:  # an earlier mutation broke it already
+                continue
+            paths = [p for p in _paths(document) if p]
+            if paths:
+                _mutate(document, data.draw(st.sampled_from(paths)), data.draw(JSON_VALUES))
+                path.write_text(json.dumps(document))
+    try:
+        trace = Trace.load(target)
+        compare_traces(Trace.load(good_trace), trace)
+    except READ_ERRORS:
+        pass
+
+
 # -- odd module names ----------------------------------------------------------------------------------------
 
 
