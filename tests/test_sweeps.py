@@ -44,7 +44,10 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     names = [f"llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")]
     assert sorted(r.info.run_name for r in children) == names  # what varies, and every other override
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
-    assert parent.info.status == "FINISHED" and "| 0-llama-bf16 | pass |" in parent.data.tags["mlflow.note.content"]
+    assert (
+        parent.info.status == "FINISHED"
+        and "| 0-candidate=bf16,compare.replay=False,model=llama | pass |" in parent.data.tags["mlflow.note.content"]
+    )
     assert parent.data.metrics["sweep/jobs"] == 2 and parent.data.metrics["sweep/failed"] == 0
     assert "sweep_summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert not [r for r in runs if r.data.tags.get("paritylab.trend") == "true"]  # an ad-hoc sweep is no night
@@ -189,3 +192,67 @@ def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
     assert run(cfg, tmp_path / "next", echo=said.append).exit_code == 0
     assert any("marked KILLED 1 runs left RUNNING" in line for line in said)
     assert client.get_run(running[0].info.run_id).info.status == "KILLED"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ("candidate=bf16,compare.rtol=0.01", "candidate=bf16,compare.rtol=0.01"),
+        ("inputs.path=data/batch.safetensors", "inputs.path=data_batch.safetensors"),  # a `/` never nests
+        ("", "defaults"),
+        ("..", "defaults"),
+    ],
+)
+def test_sweep_job_directories_are_named_by_what_varies_in_one_component(overrides, expected):
+    from paritylab.run.config import DIRNAME_LIMIT, job_dirname
+
+    assert job_dirname(overrides) == expected
+    long_a, long_b = "x=" + "a" * 300, "x=" + "a" * 299 + "b"
+    assert len(job_dirname(long_a)) == DIRNAME_LIMIT and job_dirname(long_a) != job_dirname(long_b)
+
+
+def test_the_sweep_subdir_uses_the_dirname_resolver():
+    from omegaconf import OmegaConf
+
+    from paritylab.run.config import CONF_DIR, register
+
+    register()
+    hydra = OmegaConf.load(CONF_DIR / "config.yaml").hydra
+    assert (
+        OmegaConf.to_container(hydra.sweep)["subdir"]
+        == "${hydra.job.num}-${paritylab.dirname:${hydra.job.override_dirname}}"
+    )
+    assert OmegaConf.create({"d": "${paritylab.dirname:'a/b=c'}"}).d == "a_b=c"
+
+
+@pytest.mark.parametrize("failing", ["fail", "error", "no result"])
+def test_a_sweep_parent_is_failed_when_any_child_fails_or_errors(tmp_path, monkeypatch, failing):
+    """The parent's status and the sweep's exit code follow its worst job: a FAIL verdict (1), an error (2) or
+    a job that ended without a result (2), not only a regression; the summary lists jobs in number order."""
+    from omegaconf import OmegaConf
+
+    import paritylab.sink.sweep as sweep_module
+    from tests.helpers import migrated_store
+
+    monkeypatch.setenv(sweep_module.ENVIRONMENT, "")
+    monkeypatch.setattr(sweep_module, "_current", None)
+    uri = migrated_store(tmp_path / "mlflow.db")
+    directory = tmp_path / "sweep"
+    config = OmegaConf.create({
+        "hydra": {"sweep": {"dir": str(directory)}, "overrides": {"task": ["candidate=a,b"]}},
+        "tracking": {"enabled": True, "uri": uri, "experiment": "sweeps", "timeout": 10, "retries": 0},
+    })  # fmt: skip
+    state = sweep_module.start_sweep(config)
+    jobs = {2: ("pass", 0), 10: {"fail": ("fail", 1), "error": ("error", 2), "no result": None}[failing]}
+    for number, outcome in jobs.items():
+        job = directory / f"{number}-candidate=x{number}"
+        (job / ".hydra").mkdir(parents=True)
+        if outcome is not None:
+            verdict, code = outcome
+            (job / "run.json").write_text(json.dumps({"verdict": verdict, "exit_code": code, "link": ""}))
+    expected = {"fail": 1, "error": 2, "no result": 2}[failing]
+    assert sweep_module.finish_sweep(directory) == expected
+    parent = MlflowClient(uri).get_run(state["parent_run_id"])
+    assert parent.info.status == "FAILED" and parent.data.metrics["sweep/failed"] == 1
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.index("| 2-candidate=x2 | pass |") < note.index("| 10-candidate=x10 |")  # 2 before 10

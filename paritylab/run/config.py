@@ -207,8 +207,28 @@ class ParityConfig:
 
 
 def register() -> None:
-    """Register the schema as ``parity_schema`` (the first default of ``conf/config.yaml``)."""
+    """Register the schema as ``parity_schema`` (the first default of ``conf/config.yaml``), and the
+    ``paritylab.dirname`` resolver that names sweep job directories."""
     ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
+    OmegaConf.register_new_resolver("paritylab.dirname", job_dirname, replace=True)
+
+
+DIRNAME_LIMIT = 100
+
+
+def job_dirname(overrides: str) -> str:
+    """One path component naming what a sweep job varies, from Hydra's ``override_dirname``
+    (``candidate=bf16,compare.rtol=0.01``): characters outside ``[A-Za-z0-9._=,+-]`` become ``_`` (a value
+    holding ``/`` would otherwise nest directories), and a long name is cut with a hash of the whole, so two
+    jobs never share a directory."""
+    import hashlib
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", overrides).strip(".") or "defaults"
+    if len(name) > DIRNAME_LIMIT:
+        digest = hashlib.sha1(overrides.encode()).hexdigest()[:8]
+        name = f"{name[: DIRNAME_LIMIT - 9]}-{digest}"
+    return name
 
 
 def check_complete(cfg: DictConfig) -> None:

@@ -117,7 +117,11 @@ def finish_sweep(directory: Path | None = None) -> int:
 def _jobs(directory: Path) -> list[dict[str, Any]]:
     """Every job's ``run.json``; a job that started but wrote none counts as an error."""
     jobs = []
-    for job_dir in sorted(path for path in directory.iterdir() if (path / ".hydra").is_dir()):
+    def number(path: Path) -> tuple[int, str]:  # job directories start with Hydra's job number: 2 before 10
+        head = path.name.split("-", 1)[0]
+        return (int(head) if head.isdigit() else -1, path.name)
+
+    for job_dir in sorted((path for path in directory.iterdir() if (path / ".hydra").is_dir()), key=number):
         try:
             job = json.loads((job_dir / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
