@@ -50,7 +50,8 @@ def main() -> int:
                 misses += row_misses
                 print(
                     f"{row['pair']:<28} {dtype_name:<9} clean={row['clean']:<5} exact {row['exact']}/{row['planted']}"
-                    f" ({100 * row['exact'] / max(1, row['planted']):.1f} %)  {row['seconds']:.0f} s",
+                    f" ({100 * row['exact'] / max(1, row['planted']):.1f} %), {row['no-op']} no-op plants"
+                    f"  {row['seconds']:.0f} s",
                     flush=True,
                 )
     finally:
@@ -60,7 +61,11 @@ def main() -> int:
     total = sum(r["planted"] for r in results)
     exact = sum(r["exact"] for r in results)
     false_alarms = sum(r["clean"] != "pass" for r in results)
-    print(f"total: exact {exact}/{total} ({100 * exact / max(1, total):.1f} %), false alarms {false_alarms}")
+    noop = sum(r["no-op"] for r in results)
+    print(
+        f"total: exact {exact}/{total} ({100 * exact / max(1, total):.1f} %), false alarms {false_alarms}, "
+        f"{noop} plants changed no value (left out: no error was planted)"
+    )
     if args.json:
         args.json.write_text(json.dumps({"results": results, "misses": misses}, indent=1))
     return 0
@@ -89,7 +94,7 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
         return report
 
     clean = judge("clean")
-    row = {"pair": case.name, "dtype": str(dtype).removeprefix("torch."), "planted": 0, "exact": 0}
+    row = {"pair": case.name, "dtype": str(dtype).removeprefix("torch."), "planted": 0, "exact": 0, "no-op": 0}
     row["clean"] = "pass" if clean.passed and clean.first_divergence is None else "FAIL"
     misses = []
     if row["clean"] != "pass":
@@ -97,9 +102,14 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
     for site, expected in case.sites.items():
         for kind in args.kinds:
             for size in args.sizes:
-                with planted(case.candidate, site, kind, size):
+                with planted(case.candidate, site, kind, size) as effect:
                     report = judge(f"{site}-{kind}-{size}")
                 named = report.first_divergence.path if report.first_divergence else None
+                if not effect["changed"]:  # the error rounded away entirely: the candidate is the clean one
+                    row["no-op"] += 1
+                    if not report.passed:
+                        misses.append(f"{case.name} {row['dtype']} {site} {kind} {size:g}: no-op plant failed")
+                    continue
                 row["planted"] += 1
                 if named in expected:
                     row["exact"] += 1

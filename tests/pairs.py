@@ -290,9 +290,11 @@ KINDS = ("scale", "offset", "noise")
 
 
 @contextmanager
-def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) -> Iterator[None]:
+def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) -> Iterator[dict[str, bool]]:
     """An error of relative ``size`` in the output of one module: ``scale`` (×(1+size)), ``offset`` (+size·std)
-    or ``noise`` (+size·std·N(0,1), seeded)."""
+    or ``noise`` (+size·std·N(0,1), seeded). Yields ``{"changed": ...}``: whether the error changed any value
+    at all (in bfloat16, ×1.001 rounds back to every value: such a plant is no error)."""
+    effect = {"changed": False}
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         value = output[0] if isinstance(output, tuple) else output
@@ -306,10 +308,11 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
                 generator = torch.Generator(device=value.device).manual_seed(seed)
                 noise = torch.randn(value.shape, generator=generator, device=value.device).to(value.dtype)
                 changed = value + size * std * noise
+        effect["changed"] = effect["changed"] or bool((changed != value).any())
         return (changed, *output[1:]) if isinstance(output, tuple) else changed
 
     handle = model.get_submodule(path).register_forward_hook(hook)
     try:
-        yield
+        yield effect
     finally:
         handle.remove()

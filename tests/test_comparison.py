@@ -341,3 +341,23 @@ def test_written_alignment_reproduces_itself(tmp_path):
     again = align(reference, candidate, load_rules(path))
     assert [(p.reference, p.candidate) for p in again.pairs] == [(p.reference, p.candidate) for p in first.pairs]
     assert all(p.source == "rule" for p in again.pairs if p.reference != "#0")
+
+
+def test_systematic_z_finds_offsets_below_bf16_rounding_and_ignores_rounding_shared_along_rows():
+    """Two bf16 computations of one thing differ by unbiased rounding: small z. A 0.1 % offset (a quarter of
+    one bf16 rounding step) is many standard errors out. A per-row gain from a normalisation rounded once per
+    token is shared by a whole row: clustering by row keeps it from passing for evidence."""
+    from paritylab.comparison.metrics import systematic_z
+
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(32, 128, generator=generator, dtype=torch.float64)
+    floor = reference.to(torch.bfloat16)
+    other_rounding = (reference + 1e-4 * torch.randn(32, 128, generator=generator, dtype=torch.float64)).bfloat16()
+    clean = systematic_z(reference, floor, other_rounding)
+    assert abs(clean["gain_z"]) < 4 and abs(clean["offset_z"]) < 4
+    offset = systematic_z(reference, floor, (reference + 1e-3 * reference.std()).bfloat16())
+    assert offset["offset_z"] > 8 and offset["offset"] == pytest.approx(1e-3, rel=0.3)
+    signs = torch.tensor([1.0] * 20 + [-1.0] * 12, dtype=torch.float64).reshape(32, 1)
+    shared = systematic_z(reference, floor, (reference * (1 + 2e-2 * signs)).bfloat16())  # one gain per row
+    assert abs(shared["gain_z"]) < 3  # 32 rows of evidence: values taken one by one would say 10 standard errors
+    assert systematic_z(reference[:1, :8], floor[:1, :8], floor[:1, :8] * 2)["gain_z"] == 0.0  # too few values

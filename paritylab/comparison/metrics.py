@@ -255,3 +255,52 @@ def stats_within(metrics: Mapping[str, float], tolerance: Tolerance) -> bool:
         return False
     bound = max(tolerance.rtol, 1e-7) * 4
     return all(value <= bound for key, value in metrics.items() if key.endswith("_rel"))
+
+
+SYSTEMATIC_MIN_VALUES = 16
+"""Fewer values than this give no evidence of a systematic part (a scalar's rounding would look exact)."""
+
+
+def systematic_z(reference: torch.Tensor, floor: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    """How far the candidate's difference from a low-precision copy of the reference, ``d = candidate − floor``
+    (both given the reference's exact input at the same precision), has a systematic part: a gain along the
+    reference output, or a constant offset. Returns each as a fraction (``gain``: of the output, ``offset``: of
+    its RMS) and as a z-score (``gain_z``, ``offset_z``) against its own standard error.
+
+    Two implementations of one module at one precision differ by rounding, which is unbiased, so both
+    z-scores stay small however large the rounding is; a wrong gain, offset or eps gives a large one even
+    when it is far below the rounding of a single value (a 0.1 % offset in bfloat16, whose values are
+    rounded to 0.4 %). The standard errors are clustered two ways, by row (all but the last dimension) and
+    by column (the last dimension), so rounding shared along a row (a per-token normalisation) or a column
+    (a per-channel weight or bias) does not pass for evidence.
+    """
+    r = reference.detach().to(torch.float64)
+    d = candidate.detach().to(torch.float64) - floor.detach().to(torch.float64)
+    columns = r.shape[-1] if r.dim() else 1
+    r, d = r.reshape(-1, columns), d.reshape(-1, columns)
+    found = {"gain": 0.0, "gain_z": 0.0, "offset": 0.0, "offset_z": 0.0}
+    mask = torch.isfinite(r) & torch.isfinite(d)
+    if not bool(mask.all()):
+        r, d = r.where(mask, 0.0), d.where(mask, 0.0)
+    count = int(mask.sum())
+    power = float((r * r).sum())
+    if count < SYSTEMATIC_MIN_VALUES or power == 0.0:
+        return found
+    gain = float((r * d).sum()) / power
+    mean = float(d.sum()) / count
+    found["gain"], found["offset"] = gain, mean / math.sqrt(power / count)
+    found["gain_z"] = _clustered_z(gain, (d - gain * r) * r * mask, power)
+    found["offset_z"] = _clustered_z(mean, (d - mean) * mask, count)
+    return found
+
+
+def _clustered_z(estimate: float, scores: torch.Tensor, scale: float) -> float:
+    """``estimate`` over its two-way clustered standard error, from per-element scores (rows × columns) whose
+    sum over ``scale`` is the estimate's deviation."""
+    by_row = float((scores.sum(dim=1) ** 2).sum())
+    by_column = float((scores.sum(dim=0) ** 2).sum())
+    each = float((scores**2).sum())
+    variance = max(by_row + by_column - each, by_row, by_column, each)
+    if variance <= 0.0:
+        return 0.0 if estimate == 0.0 else math.inf
+    return estimate / (math.sqrt(variance) / scale)

@@ -19,8 +19,17 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, primary_slot
-from paritylab.comparison.metrics import Tolerances
-from paritylab.comparison.report import Report, Row, ancestors, compare_traces, innermost, producer_row, relative_error
+from paritylab.comparison.metrics import Tolerances, systematic_z
+from paritylab.comparison.report import (
+    Report,
+    Row,
+    ancestors,
+    compare_traces,
+    innermost,
+    producer_row,
+    relative_error,
+    slot_value,
+)
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
 from paritylab.tracing.values import iter_tensors
@@ -170,6 +179,7 @@ def attach_replay(
     replay: Trace,
     tolerances: Tolerances | None = None,
     local_floor: Mapping[str, Mapping[str, float]] | None = None,
+    floor_replay: Trace | None = None,
 ) -> Report:
     """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification,
     and name one culprit from the free run and the replay together; returns the replay's comparison.
@@ -177,10 +187,14 @@ def attach_replay(
     ``local_floor`` (low-precision runs) maps reference call keys to the metrics of the reference module
     itself at the candidate's precision on the reference's exact input (:func:`paritylab.run.parity.estimate_floors`).
     A module's own error is then judged against that, not against the dtype's wide tolerance: see
-    :func:`beyond_floor`. Such a module fails the run.
+    :func:`beyond_floor`. Such a module fails the run. ``floor_replay``: that low-precision reference's own
+    isolated replay (its outputs); each module's replayed output is then also tested against it for a
+    systematic part (:func:`~paritylab.comparison.metrics.systematic_z`), which finds gains and offsets far
+    below the rounding of single values.
     """
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
     local_rows = {row.index: row for row in replay_report.rows}
+    parts = {pair.reference: (pair.reference_part, pair.candidate_part) for pair in report.alignment.pairs}
     fed_wrong: dict[int, tuple[Row, str]] = {}
     by_index = {row.index: row for row in report.rows}
     for row in report.rows:
@@ -191,7 +205,10 @@ def attach_replay(
         inherited = relative_error(row.input_metrics)
         output = relative_error(row.metrics)
         floor = (local_floor or {}).get(row.reference.key)
-        reason = beyond_floor(local.metrics, floor, row.reference.dtype) if floor is not None else None
+        reason = None
+        if floor is not None:
+            systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
+            reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
         if diverged and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
             blamed = _unreplaced_source(row, by_index, reference)
@@ -220,6 +237,24 @@ def attach_replay(
     report.replay_origins = innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
     return replay_report
+
+
+def _systematic(
+    reference: Trace, replay: Trace, floor_replay: Trace, local: Row, parts: Mapping[str, tuple[Part | None, ...]]
+) -> dict[str, float] | None:
+    """:func:`systematic_z` of a row's replayed output against the low-precision reference's, on the
+    reference's output (``None`` when a value is missing or the layouts differ)."""
+    if local.status != "compared" or local.candidate is None:
+        return None
+    ref_part, cand_part = parts.get(local.reference.key, (None, None))
+    ref_value = slot_value(reference, local.reference.key, local.reference.slot, ref_part)
+    floor_value = slot_value(floor_replay, local.reference.key, local.reference.slot, ref_part)
+    own = slot_value(replay, local.candidate.key, local.candidate.slot, cand_part)
+    if ref_value is None or floor_value is None or own is None:
+        return None
+    if not (ref_value.shape == floor_value.shape == own.shape) or not ref_value.is_floating_point():
+        return None
+    return systematic_z(ref_value, floor_value, own)
 
 
 def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord) -> bool:
@@ -255,16 +290,27 @@ of one module at bfloat16 were measured up to 3.2x apart) ..."""
 SYSTEMATIC_MULTIPLE = 12.0
 """... or when its error's systematic part, along the output (a gain) or constant (an offset), exceeds
 this multiple of the reference's own (measured up to 5.3x on clean pairs; a 1 % error gives 30x or more)."""
+SYSTEMATIC_Z = 8.0
+"""... or when the difference from the reference's own low-precision replay has a gain or offset this many
+standard errors from zero (clean pairs of independently written implementations measured at most 3.6; a
+0.1 % offset in bfloat16 gives 5 to 46)."""
 _MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4}
 """Smallest local floor assumed per dtype: a quarter of its machine epsilon (exact reference modules)."""
 
 
-def beyond_floor(metrics: Mapping[str, float], floor: Mapping[str, float], dtype: str | None) -> str | None:
+def beyond_floor(
+    metrics: Mapping[str, float],
+    floor: Mapping[str, float],
+    dtype: str | None,
+    systematic: Mapping[str, float] | None = None,
+) -> str | None:
     """Why a module's own low-precision error is more than rounding, or ``None`` when it is not.
 
     Rounding error is unbiased: it has no part along the output and no constant part beyond what the
-    reference's own rounding shows, while a wrong scale, offset, eps or activation has one. Noise-like
-    errors can only be told from rounding by their size.
+    reference's own rounding shows, while a wrong scale, offset, eps or activation has one. ``systematic``
+    (:func:`~paritylab.comparison.metrics.systematic_z` against the reference's own low-precision output)
+    measures that part directly, with its standard error. Noise-like errors can only be told from rounding
+    by their size.
     """
     if metrics.get("nan_mismatch") or metrics.get("inf_mismatch"):
         return "NaN/Inf the reference does not produce"
@@ -277,6 +323,11 @@ def beyond_floor(metrics: Mapping[str, float], floor: Mapping[str, float], dtype
         ratio = abs(metrics.get(name, 0.0)) / max(abs(floor.get(name, 0.0)), noise)
         if ratio > SYSTEMATIC_MULTIPLE:
             return f"systematic {what} of {metrics[name]:+.2%}, {ratio:.0f}x the reference's own rounding"
+    for name, what in (("gain", "gain"), ("offset", "offset")):
+        z = (systematic or {}).get(f"{name}_z", 0.0)
+        if abs(z) > SYSTEMATIC_Z:
+            value = (systematic or {})[name]
+            return f"systematic {what} of {value:+.3%} against the reference at {dtype} ({abs(z):.0f} standard errors)"
     return None
 
 

@@ -595,6 +595,18 @@ def primary_output(trace: Trace, call: CallRecord) -> torch.Tensor | None:
     return trace.tensor(node) if node is not None else None
 
 
+def slot_value(trace: Trace, key: str, slot: str | None, part: Part | None = None) -> torch.Tensor | None:
+    """The saved value of call ``key``'s output ``slot`` (cut to ``part``), or ``None`` when the call, the
+    slot or its value is not in ``trace``."""
+    try:
+        call = trace.call(key)
+    except KeyError:
+        return None
+    node = _node_at(call, slot)
+    value = trace.tensor(node) if node is not None else None
+    return _cut(value, part) if value is not None else None
+
+
 def _node_at(call: CallRecord, slot: str | None) -> Node | None:
     if slot is None:
         return None

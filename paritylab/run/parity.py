@@ -44,6 +44,9 @@ class Floors:
     free_run: dict[str, float]
     local_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     """The reference's own low-precision replay metrics per call key (``rel_l2``, ``scale_err``, ...)."""
+    local_trace: Trace | None = None
+    """That replay itself: each module's low-precision output, against which a candidate's replayed output
+    is tested for a systematic part (None when the candidate is the reference cast: it is the same run)."""
 
 
 def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
@@ -92,7 +95,7 @@ def estimate_floors(
     replayed = isolated_replay(
         low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
     )
-    return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment))
+    return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment), replayed)
 
 
 def local_floors(reference_trace: Trace, replayed: Trace, alignment: Alignment) -> dict[str, dict[str, float]]:
@@ -179,5 +182,5 @@ def compare_and_replay(
         candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
     )
     local = floors.local_metrics if floors else None
-    attach_replay(report, reference_trace, replayed, tolerances, local)
+    attach_replay(report, reference_trace, replayed, tolerances, local, floors.local_trace if floors else None)
     return report

@@ -404,7 +404,8 @@ class _Session:
         replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
         if floors is not None and self.floors_from_replay:
             floors.local_metrics = local_floors(reference, replay, self.report.alignment)
-        attach_replay(self.report, reference, replay, tolerances, floors.local_metrics if floors else None)
+        local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
+        attach_replay(self.report, reference, replay, tolerances, local, own)
 
     def _drill_down(
         self,

@@ -117,6 +117,7 @@ def finish_sweep(directory: Path | None = None) -> int:
 def _jobs(directory: Path) -> list[dict[str, Any]]:
     """Every job's ``run.json``; a job that started but wrote none counts as an error."""
     jobs = []
+
     def number(path: Path) -> tuple[int, str]:  # job directories start with Hydra's job number: 2 before 10
         head = path.name.split("-", 1)[0]
         return (int(head) if head.isdigit() else -1, path.name)
