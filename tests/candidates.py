@@ -29,3 +29,18 @@ def transformer_lens_llama(reference: nn.Module) -> nn.Module:
 
     config = transformer_lens_config(reference.config)
     return transformer_lens_model(config, convert_llama_weights(reference, config))
+
+
+class AuxFirstLlama(LlamaForCausalLM):
+    """Returns ``(aux, logits)``: a summary first and the logits as a copy no module made, so data flow cannot
+    tell which returned tensor is the output; ``candidate.call.output=1`` says it."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        logits = super().forward(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits.mean(dim=-1), logits.clone()
+
+
+def aux_first_llama(reference: nn.Module) -> nn.Module:
+    model = AuxFirstLlama(reference.config)
+    model.load_state_dict(reference.state_dict())
+    return model.eval()

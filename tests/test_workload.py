@@ -127,3 +127,42 @@ def test_a_candidate_call_that_does_not_fit_fails_before_its_forward(tmp_path):
     assert result.exit_code == 2
     assert "candidate.call.kwargs.tokens: IdxLlama.forward has no parameter 'tokens'" in result.error
     assert not (result.directory / "candidate" / "trace.json").exists()
+
+
+def test_the_call_says_which_returned_value_is_the_output(tmp_path):
+    """A forward returning ``(aux, logits)`` with logits no module made: without a choice the root compares
+    the first tensor (the aux summary) and fails; ``candidate.call.output=1`` with ``model.call.output=logits``
+    compares logits with logits and passes; a choice the return value does not hold is one line."""
+    aux = {"aux": "tests.candidates.aux_first_llama"}
+    common = ["tracking=off", "model=llama", "candidate=aux", "compare.replay=false"]
+    unchosen, _ = _run(tmp_path / "a", *common, candidates=aux)
+    root = unchosen.report.rows[0]
+    assert unchosen.exit_code == 1 and root.path == "" and root.verdict == "fail"
+    assert root.reference.slot == "outputs.logits" and root.candidate.slot == "outputs.0"
+    chosen, _ = _run(tmp_path / "b", *common, "model.call.output=logits", "candidate.call.output=1", candidates=aux)
+    root = chosen.report.rows[0]
+    assert chosen.exit_code == 0, [row.path for row in chosen.report.failing]
+    assert (root.reference.slot, root.candidate.slot) == ("outputs.logits", "outputs.1") and root.verdict == "pass"
+    assert any(note.startswith("candidate: forward(input_ids=input_ids") and "[1]" in note for note in chosen.notes)
+    wrong, _ = _run(tmp_path / "c", *common, "candidate.call.output=logits", candidates=aux)
+    assert wrong.exit_code == 2
+    assert wrong.error == (
+        "candidate.call.output='logits': AuxFirstLlama.forward returned a tuple of 2 (indices 0..1); "
+        "choose one of those, or null"
+    )
+
+
+def test_select_output_reads_keys_attributes_and_indices():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from paritylab.run.workload import output_choice, select_output
+
+    logits = torch.ones(1, 2, 3)
+    assert select_output(CausalLMOutput(logits=logits), "logits") is logits
+    assert select_output(CausalLMOutput(logits=logits), 0) is logits
+    assert select_output((None, logits), 1) is logits and select_output(logits, None) is logits
+    assert output_choice("1", "candidate") == 1 and output_choice("logits", "model") == "logits"
+    with pytest.raises(ConfigError, match=r"output 'scores' is not in what the forward returned \(keys logits\)"):
+        select_output(CausalLMOutput(logits=logits), "scores")
+    with pytest.raises(ConfigError, match="candidate.call.output=1.5"):
+        output_choice(1.5, "candidate")

@@ -79,6 +79,10 @@ class CallConfig:
     """Inputs this side does not take."""
     cast: bool = True
     """Cast floating-point inputs to the side's parameter dtype."""
+    output: Any = None
+    """Which part of the forward's return value is "the output", compared at the root and read for decode
+    steps' logits: a key or attribute (``logits``), an index (``0``), or null for the whole structure (its
+    tensors are then paired by data flow)."""
 
 
 @dataclass

@@ -196,7 +196,7 @@ def generate_parity(
             )
             if pinned is None:  # decode steps share one structure: pair them once
                 pinned = _frozen(report)
-        logits = [_last_logits(output) for output in outputs]
+        logits = [_last_logits(side.spec.select(output)) for side, output in zip(sides, outputs, strict=True)]
         done.append(_step(number, report, logits[0], logits[1], top_k))
         if failure is None and done[-1].verdict in ("fail", "error"):
             failure = (number, report, traces[0], traces[1])

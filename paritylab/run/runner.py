@@ -37,7 +37,7 @@ from paritylab.run.config import ConfigError, check_targets, check_writable, one
 from paritylab.run.inputs import build_inputs
 from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
-from paritylab.run.workload import CallSpec, infer_call
+from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
 from paritylab.sink.publish import RUN_UID, RunRecord, publish, upload_tensors
@@ -211,6 +211,7 @@ class _Session:
         ref_run = self._bind("model", reference, inputs)
         self._mark("build reference")
         ref_trace = self._trace("reference", reference, ref_run)
+        self._check_output("model", ref_trace)
         self._mark("trace reference")
         one_resident = self._one_resident(reference)
         if one_resident:
@@ -221,12 +222,13 @@ class _Session:
         cand_run = self._bind("candidate", candidate.model, inputs)
         self._mark("build candidate")
         cand_trace = self._trace("candidate", candidate.model, cand_run)
+        self._check_output("candidate", cand_trace)
         self._mark("trace candidate")
         if one_resident:
             self._offload("candidate", candidate.model)
         floors = self._noise_floor(reference, candidate, ref_run, ref_trace, cand_trace)
         self._mark("noise floor")
-        rules = self._rules(candidate)
+        rules = self._rules(candidate, ref_trace, cand_trace)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
         frozen = self._frozen_alignment()
@@ -291,7 +293,13 @@ class _Session:
         given = bool(call.args or call.kwargs)
         args, kwargs = (list(call.args), dict(call.kwargs)) if given else (None, None)
         spec = infer_call(model, inputs, key, args, kwargs, list(call.drop))
-        return dataclasses.replace(spec, cast=bool(call.cast))
+        return dataclasses.replace(spec, cast=bool(call.cast), output=output_choice(call.get("output"), key))
+
+    def _check_output(self, key: str, trace: Trace) -> None:
+        """``{key}.call.output`` names a part of what the side's forward returned (known once it ran)."""
+        if trace.calls and not trace.meta.get("error"):
+            root = trace.calls[0]
+            check_output(root.outputs, output_choice(self.cfg[key].call.get("output"), key), key, root.cls)
 
     def _trace(self, side: str, model: nn.Module, run: Callable[[nn.Module], Any]) -> Trace:
         from tqdm.auto import tqdm
@@ -384,8 +392,11 @@ class _Session:
             return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
 
-    def _rules(self, candidate: Candidate) -> list[Rule]:
+    def _rules(self, candidate: Candidate, reference: Trace, traced: Trace) -> list[Rule]:
         extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
+        chosen = [output_choice(self.cfg[key].call.get("output"), key) for key in ("model", "candidate")]
+        if chosen != [None, None] and reference.calls and traced.calls:  # "the output", as each side's call says
+            extra = [Rule(reference.calls[0].path, traced.calls[0].path, chosen[0], chosen[1]), *extra]
         return extra + candidate.rules
 
     def _replay(

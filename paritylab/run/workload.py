@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paritylab.run.config import ConfigError
+from paritylab.tracing.values import Node, pick, select
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "input_ids": ("input", "inputs", "idx", "tokens", "ids", "token_ids", "input_tokens", "x"),
@@ -40,6 +41,8 @@ class CallSpec:
     cast: bool = True
     """Cast floating-point inputs to the model's floating-point parameter dtype (a bf16 candidate gets bf16)."""
     dropped: tuple[str, ...] = ()
+    output: int | str | None = None
+    """Which part of the return value is "the output" (:meth:`select`); ``None``: all of it."""
 
     def bind(
         self, inputs: Mapping[str, torch.Tensor], extra: Mapping[str, Any] | None = None
@@ -63,10 +66,58 @@ class CallSpec:
 
         return run
 
+    def select(self, output: Any) -> Any:
+        """The part of a forward's return value that is "the output": a key or attribute (a ModelOutput's
+        ``logits``), an index into a tuple or list, or all of it."""
+        return select_output(output, self.output)
+
     def describe(self) -> str:
         parts = [*self.args, *(f"{p}={n}" for p, n in self.kwargs.items())]
         text = f"forward({', '.join(parts)})"
+        text += f"[{self.output!r}]" if self.output is not None else ""
         return text + (f"; left out: {', '.join(self.dropped)}" if self.dropped else "")
+
+
+def output_choice(value: Any, side: str) -> int | str | None:
+    """``{side}.call.output`` as an index, a key or ``None``; anything else is a one-line error."""
+    if value is None or (isinstance(value, int | str) and not isinstance(value, bool)):
+        return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
+    raise ConfigError(f"{side}.call.output={value!r}: give a key (logits), an index (0), or null for the whole output")
+
+
+def select_output(output: Any, choice: int | str | None) -> Any:
+    """Element ``choice`` of a forward's return value (:func:`~paritylab.tracing.values.pick`: a key, an
+    attribute of a dataclass, an index); ``None``: all of it. Missing: a one-line error."""
+    chosen = pick(output, choice)
+    if chosen is None:
+        raise ConfigError(f"output {choice!r} is not in what the forward returned ({describe_output(output)})")
+    return chosen
+
+
+def check_output(node: Node | None, choice: int | str | None, side: str, name: str) -> None:
+    """A traced root output (``node``) holds element ``choice``; else a one-line error naming what it holds."""
+    if choice is None or select(node, choice) is not None:
+        return
+    kind = (node or {}).get("t")
+    items = (node or {}).get("items")
+    if kind == "dict" and isinstance(items, dict):
+        held = "keys " + ", ".join(items)
+    elif kind in ("tuple", "list") and isinstance(items, list):
+        held = f"a {kind} of {len(items)} (indices 0..{len(items) - 1})"
+    else:
+        held = "a single value (index 0)" if kind == "tensor" else f"a {kind or 'value'}"
+    raise ConfigError(f"{side}.call.output={choice!r}: {name}.forward returned {held}; choose one of those, or null")
+
+
+def describe_output(output: Any) -> str:
+    """A short description of a return value's structure, for error messages."""
+    if isinstance(output, torch.Tensor):
+        return f"a tensor {list(output.shape)}"
+    if isinstance(output, Mapping):
+        return "keys " + ", ".join(map(str, output))
+    if isinstance(output, tuple | list):
+        return f"a {type(output).__name__} of {len(output)}"
+    return type(output).__name__
 
 
 def infer_call(
