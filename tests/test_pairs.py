@@ -99,6 +99,27 @@ def test_one_percent_gain_or_offset_in_a_bf16_candidate_is_named(name, tmp_path)
     assert missed == []
 
 
+def test_a_tenth_of_a_percent_offset_under_bf16_rounding_is_named(tmp_path):
+    """A 0.1 % offset is a quarter of one bf16 rounding step, so neither its size nor the free run shows it;
+    its difference from the reference's own bf16 output has a mean many standard errors from zero
+    (``systematic_z``), which names it. The candidate is the project's port (no third-party package)."""
+    case = PAIRS["llava"](torch.bfloat16)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
+    )
+    assert floors.local_trace is not None
+    named, expected = {}, {}
+    for number, site in enumerate(["vit.blocks.0.ln1", "llm.layers.0.attention_norm", "llm.norm", "llm.output"]):
+        with planted(case.candidate, site, "offset", 1e-3) as effect:
+            report = _judge(case, tmp_path, f"{number}", reference_trace, floors)
+        assert effect["changed"]  # a real error (unlike a 0.1 % gain, which bf16 rounds away entirely)
+        culprit = report.first_divergence
+        named[site] = (culprit.path, "systematic offset" in culprit.note) if culprit else None
+        expected[site] = (case.sites[site][0], True)
+    assert named == expected
+
+
 def _eps(model):
     model.blocks[0].ln2.eps = 1e-2
 
