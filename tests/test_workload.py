@@ -164,5 +164,5 @@ def test_select_output_reads_keys_attributes_and_indices():
     assert output_choice("1", "candidate") == 1 and output_choice("logits", "model") == "logits"
     with pytest.raises(ConfigError, match=r"output 'scores' is not in what the forward returned \(keys logits\)"):
         select_output(CausalLMOutput(logits=logits), "scores")
-    with pytest.raises(ConfigError, match="candidate.call.output=1.5"):
+    with pytest.raises(ConfigError, match=r"candidate\.call\.output=1\.5"):
         output_choice(1.5, "candidate")
