@@ -327,19 +327,23 @@ PREALLOCATE = 64 << 20
 
 
 def _reserve(shard: _Shard, nbytes: int) -> None:
-    """Reserve disk space ahead of the write position, 64 MiB at a time (a full disk fails here, early)."""
+    """Reserve disk space ahead of the write position, 64 MiB at a time; when that much is not free, only
+    what this tensor needs (a nearly full disk still stores what fits; a full one fails here, early)."""
     end = 8 + HEADER_CAPACITY + shard.size + nbytes
     if end <= shard.allocated or not hasattr(os, "posix_fallocate"):
         return
-    step = max(PREALLOCATE, nbytes)
-    try:
-        os.posix_fallocate(shard.handle.fileno(), shard.allocated, end - shard.allocated + step)
-    except OSError as error:
-        if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # filesystem without it
-            shard.allocated = 1 << 62
-            return
-        raise
-    shard.allocated = end + step
+    for step in (max(PREALLOCATE, nbytes), 0):
+        try:
+            os.posix_fallocate(shard.handle.fileno(), shard.allocated, end - shard.allocated + step)
+        except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # filesystem without it
+                shard.allocated = 1 << 62
+                return
+            if error.errno != errno.ENOSPC or step == 0:
+                raise
+            continue
+        shard.allocated = end + step
+        return
 
 
 def _lower_priority() -> None:
