@@ -745,3 +745,77 @@ def test_json_memory_is_bounded_by_a_count_of_values_before_parsing(good_trace, 
     (target / "trace.json").write_text('{"calls": [' + ",".join(["{}"] * 300) + "]}")
     with pytest.raises(TraceFormatError, match=r"holds about 60\d JSON values, over the 200"):
         Trace.load(target)
+
+
+KILLED_MID_FORWARD = """
+import sys, time
+from pathlib import Path
+import torch
+from torch import nn
+import paritylab
+
+class Stall(nn.Module):
+    def forward(self, x):
+        Path(sys.argv[2]).write_text("in the forward")
+        time.sleep(120)  # killed here
+        return x
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), Stall(), nn.Linear(16, 4))
+with paritylab.trace(model, sys.argv[1], save_tensors=True, pending_bytes=0):
+    model(torch.randn(3, 16))
+"""
+
+
+@pytest.mark.slow
+def test_a_trace_killed_mid_forward_is_recovered_with_every_whole_tensor(tmp_path):
+    """kill -9 in the forward: no trace.json, shards unfinished. The journals written as calls and tensors
+    completed let Trace.load rebuild it: every finished call with its values, the open calls marked
+    interrupted, the trace marked recovered (never taken for a finished one), no .partial left."""
+    directory, marker = tmp_path / "killed", tmp_path / "marker"
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_FORWARD, str(directory), str(marker)],
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.kill()
+    process.wait(timeout=30)
+    assert marker.exists() and not (directory / "trace.json").exists()
+    assert list(directory.glob("*.partial"))  # what a kill -9 leaves
+    trace = Trace.load(directory)
+    assert trace.meta["recovered"] is True and trace.meta["status"] == "error"
+    assert trace.meta["error"]["module"] == "3" and trace.meta["error"]["type"] == "Killed"
+    assert not list(directory.glob("*.partial")) and not list(directory.glob("*.journal.jsonl"))
+    by_path = {call.path: call for call in trace.calls}
+    assert set(by_path) == {"", "0", "1", "2", "3"}  # the last Linear never ran
+    assert by_path["3"].error.startswith("interrupted") and by_path[""].error.startswith("interrupted")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Identity(), nn.Linear(16, 4))
+    x = torch.randn(3, 16)
+    assert torch.equal(trace.tensor(by_path["2"].outputs), model[:3](x))  # whole tensors, bit for bit
+    assert torch.equal(trace.tensor(by_path["0"].tensors("inputs")[0][1]), x)
+    assert Trace.load(directory).meta["recovered"] is True  # loading again reads the rebuilt trace.json
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"file": "../outside.safetensors", "name": "t0", "dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        {"file": "tensors-00000.safetensors", "name": "t0", "dtype": "F32", "shape": [1], "data_offsets": [8, 4]},
+        {"file": "tensors-00000.safetensors", "name": "t0", "dtype": "PICKLE", "shape": [1], "data_offsets": [0, 4]},
+    ],
+    ids=["path-escape", "offsets-backwards", "unknown-dtype"],
+)
+def test_a_hostile_journal_is_refused_in_one_line(tmp_path, entry):
+    """Recovery reads journals left in a directory: their file names never leave it, their entries are checked
+    before any byte is touched."""
+    (tmp_path / "trace.journal.jsonl").write_text(
+        json.dumps({"meta": {}}) + "\n" + json.dumps({"index": 0, "path": "", "call_index": 0, "cls": "M",
+                                                       "parent": None, "depth": 0}) + "\n"
+    )  # fmt: skip
+    (tmp_path / "tensors.journal.jsonl").write_text(json.dumps({"metadata": {}}) + "\n" + json.dumps(entry) + "\n")
+    with pytest.raises(TraceFormatError, match="malformed tensor entry"):
+        Trace.load(tmp_path)
+    assert not (tmp_path / "trace.json").exists()

@@ -6,3 +6,4 @@ debugger format (:mod:`.debugger_format`), weight fingerprints (:mod:`.structure
 """
 
 from paritylab.tracing import debugger_format as _debugger_format  # noqa: F401  (registers its reader)
+from paritylab.tracing import recovery as _recovery  # noqa: F401  (registers the reader of killed traces)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from paritylab.tracing.journal import TENSORS_JOURNAL, Journal
+
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -98,9 +100,12 @@ class TensorStore:
         metadata: Mapping[str, str] | None = None,
         prefix: str = "tensors",
         pending_bytes: int = DEFAULT_PENDING_BYTES,
+        journal: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.journal: Journal | None = None
+        """``journal=True``: every tensor written is also listed in ``tensors.journal.jsonl`` (see :mod:`.journal`)."""
         self.max_bytes = max_bytes
         self.save_dtype = save_dtype
         self.bytes_accepted = 0
@@ -108,7 +113,10 @@ class TensorStore:
         """Reference name -> shard file name, for every tensor whose bytes are on disk."""
         self.skipped: dict[str, str] = {}
         """Reference name -> why a tensor accepted by ``put`` did not reach disk."""
-        self._writer = _ShardWriter(self, shard_bytes, {str(k): str(v) for k, v in (metadata or {}).items()}, prefix)
+        header_metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        if journal:
+            self.journal = Journal(self.directory / TENSORS_JOURNAL, {"metadata": header_metadata})
+        self._writer = _ShardWriter(self, shard_bytes, header_metadata, prefix)
         self._pending_limit = pending_bytes
         self._pending_size = 0
         self._condition = threading.Condition()
@@ -209,6 +217,8 @@ class TensorStore:
                 self._condition.notify_all()
             self._thread.join()
         self._writer.close()
+        if self.journal is not None:
+            self.journal.close()  # kept until the trace that owns it is saved (see :mod:`.journal`)
 
 
 class _ShardWriter:
@@ -252,6 +262,8 @@ class _ShardWriter:
             return
         entry["data_offsets"] = [shard.size, shard.size + nbytes]
         shard.entries[name] = entry
+        if self.store.journal is not None:
+            self.store.journal.add({"file": shard.path.name, "name": name, **entry})
         shard.size += nbytes
         self.bytes_written += nbytes
         self.store.files[name] = shard.path.name
@@ -299,11 +311,7 @@ class _ShardWriter:
                 shard.handle.close()
                 partial.unlink(missing_ok=True)
                 return
-            header = json.dumps({"__metadata__": self.metadata, **shard.entries}, separators=(",", ":"))
-            shard.handle.truncate(8 + HEADER_CAPACITY + shard.size)
-            shard.handle.seek(0)
-            header_bytes = struct.pack("<Q", HEADER_CAPACITY) + header.encode().ljust(HEADER_CAPACITY)
-            _write_all(shard.handle, memoryview(header_bytes))
+            finish_shard(shard.handle, self.metadata, shard.entries, shard.size)
             shard.handle.close()
             os.replace(partial, shard.path)
         except OSError as error:
@@ -324,6 +332,17 @@ class _ShardWriter:
 
 
 PREALLOCATE = 64 << 20
+
+
+def finish_shard(handle: Any, metadata: Mapping[str, str], entries: Mapping[str, Any], size: int) -> None:
+    """Cut a shard's file to its header space plus ``size`` data bytes and write the header into that space
+    (padded with spaces, as the safetensors format allows)."""
+    header = json.dumps({"__metadata__": dict(metadata), **entries}, separators=(",", ":")).encode()
+    if len(header) > HEADER_CAPACITY:
+        raise OSError(errno.EOVERFLOW, "shard header larger than its reserved space")
+    handle.truncate(8 + HEADER_CAPACITY + size)
+    handle.seek(0)
+    _write_all(handle, memoryview(struct.pack("<Q", HEADER_CAPACITY) + header.ljust(HEADER_CAPACITY)))
 
 
 def _reserve(shard: _Shard, nbytes: int) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from paritylab.tracing.capture import CaptureSpec, resolve_specs
+from paritylab.tracing.journal import CALLS_JOURNAL, TENSORS_JOURNAL, Journal
 from paritylab.tracing.stats import StatsBatch, supports_stats
 from paritylab.tracing.storage import DEFAULT_PENDING_BYTES, DEFAULT_SHARD_BYTES, TensorStore, tensor_version
 from paritylab.tracing.tracefile import CallRecord, Trace
@@ -111,6 +112,7 @@ class Tracer:
         self._side = "inputs"
         self._out_seen: list[_Seen] = []
         self._structure: list[dict[str, Any]] | None = None
+        self._journal: Journal | None = None
 
     # -- context management ------------------------------------------------------------------------------
 
@@ -129,7 +131,9 @@ class Tracer:
                 pending_bytes=self.options.pending_bytes,
                 save_dtype=self.options.save_dtype,
                 metadata=self._provenance(),
+                journal=True,
             )
+            self._journal = Journal(self.directory / CALLS_JOURNAL, {"meta": self._provenance()})
         try:
             self._register(specs)
         except BaseException:
@@ -201,6 +205,9 @@ class Tracer:
                 if isinstance(tensor, torch.Tensor):
                     self._store.protect(tensor)
         self.trace.calls.append(record)
+        if self._journal is not None:  # the call is open: a kill -9 from here on still leaves it in the tree
+            self._journal.add({"index": record.index, "path": path, "call_index": call_index, "cls": record.cls,
+                               "parent": parent, "depth": record.depth})  # fmt: skip
         versions = {id(t): tensor_version(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._stack.append((record, sys.exc_info()[1], versions))
 
@@ -213,6 +220,8 @@ class Tracer:
             record.error = f"{type(raised).__name__}: {raised}"
             if self._raised_at is None:
                 self._raised_at = record.key
+            if self._journal is not None:
+                self._journal.add(record.to_json())
             return
         record.identity = _returns_its_input(output, args, kwargs, versions)
         if self.options.outputs:
@@ -225,6 +234,8 @@ class Tracer:
                         seen.producer = record.index
         for spec in self._captures.get(path, ()):
             self._capture(spec, record, output)
+        if self._journal is not None:
+            self._journal.add(record.to_json())
         if self.options.on_call is not None:
             self.options.on_call(record)
 
@@ -308,6 +319,9 @@ class Tracer:
             from paritylab.tracing.debugger_format import write_debugger_files
 
             write_debugger_files(self.trace, self.directory)
+            if self._journal is not None:  # trace.json is written: the journals are no longer needed
+                self._journal.close(remove=True)
+                (self.directory / TENSORS_JOURNAL).unlink(missing_ok=True)
 
     def _resolve_stats(self) -> list[dict[str, float | None]]:
         resolved = self._stats.resolve()
