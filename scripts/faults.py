@@ -158,13 +158,16 @@ def kill_9_then_a_plain_run(cwd: Path) -> Outcome:
     process.kill()
     process.wait()
     kept = (cwd / "killed" / "reference" / "trace.json").exists()
+    result, _ = compare(cwd, cwd / "killed" / "reference", cwd / "killed" / "candidate")  # recovers the cut one
+    recovered = (cwd / "killed" / "candidate" / "trace.json").exists() and result.returncode in (1, 2, 3)
     app(cwd, f"tracking.uri={uri}", "compare.replay=false")
     statuses = sorted(_statuses(cwd / "mlflow.db"))
     if statuses != ["FINISHED", "KILLED"]:
         return "broken", f"after the next run the statuses are {statuses}"
-    return (
-        "held" if kept else "degraded"
-    ), f"the dead run closed KILLED by the next plain run; reference trace kept: {kept}"
+    return ("held" if kept and recovered else "degraded"), (
+        f"the dead run closed KILLED by the next plain run; reference trace kept: {kept}; the candidate's cut "
+        f"trace recovered: {recovered} (compare exit {result.returncode})"
+    )
 
 
 def upload_twice(cwd: Path) -> Outcome:
