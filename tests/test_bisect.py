@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers import migrated_store
+
 pytestmark = pytest.mark.slow
 REPOSITORY = Path(__file__).resolve().parents[1]
 PORT = """from tests.faulty import scaled_port
@@ -40,7 +42,7 @@ def test_bisect_names_the_commit_that_broke_parity(tmp_path):
         git(repo, "add", "nightly_port.py")
         git(repo, "commit", "-q", "-m", subject)
         commits.append(git(repo, "rev-parse", "HEAD"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     result = subprocess.run(
         [sys.executable, "-m", "paritylab.cli.bisect", "--repo", str(repo), "--good", commits[0], "--bad", commits[-1],
          "--tracking-uri", uri, "--output", str(tmp_path / "bisect"), "--",

@@ -113,7 +113,7 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert "failed to" in result.stdout and "paritylab-upload " in result.stdout
     directory = tmp_path / "hydra"
     assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
-    store = f"sqlite:///{tmp_path / 'later.db'}"
+    store = migrated_store(tmp_path / "later.db")
     upload = subprocess.run(
         [sys.executable, "-m", "paritylab.cli.upload", str(directory), "--tracking-uri", store],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,

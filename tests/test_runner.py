@@ -299,9 +299,10 @@ def test_user_configs_from_another_directory(tmp_path):
         "  module: llm.layers.0.feed_forward.w2\n  scale: 1.05\n"
         "weight_map: pkg://paritylab.experiments.llava_port/weights.yaml\n"
     )
+    store = migrated_store(tmp_path / "mlflow.db")
     result = subprocess.run(
         [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=scaled",
-         "compare.replay=false", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'h'}"],
+         "compare.replay=false", f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'h'}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPOSITORY)},  # tests.faulty; artifacts land in tmp_path, not the checkout
     )  # fmt: skip

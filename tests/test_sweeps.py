@@ -165,7 +165,9 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
 
 def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
     """kill -9 leaves a run RUNNING; the next run of any kind (not only a sweep) closes it."""
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from tests.helpers import migrated_store
+
+    store = migrated_store(tmp_path / "mlflow.db")
     victim = subprocess.Popen(
         [sys.executable, "-m", "paritylab", "model=llama", "candidate=sdpa", f"tracking.uri={store}",
          f"hydra.run.dir={tmp_path / 'victim'}"],

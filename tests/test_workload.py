@@ -13,6 +13,7 @@ from paritylab.cli.app import compose
 from paritylab.run.config import ConfigError
 from paritylab.run.runner import run
 from paritylab.run.workload import infer_call, synthetic_inputs
+from tests.helpers import migrated_store
 from tests.pairs import transformer_lens_available
 
 IDS = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
@@ -73,7 +74,7 @@ def test_synthetic_inputs_follow_the_forward_text_and_vision_only():
 
 def _run(tmp_path: Path, *overrides: str, candidates: dict[str, str] | None = None):
     """Run in process; ``candidates`` are user candidate configs (name -> ``_target_``) in a --config-dir."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     config_dir = None
     if candidates:
         config_dir = tmp_path / "my_conf"
