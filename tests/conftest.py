@@ -37,13 +37,15 @@ def mlflow_server(tmp_path_factory):
     import time
     import urllib.request
 
+    from tests.helpers import migrated_store
+
     root = tmp_path_factory.mktemp("mlflow-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [
         sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-        "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts"),
+        "--backend-store-uri", migrated_store(root / "server.db"), "--artifacts-destination", str(root / "artifacts"),
         "--workers", "1",
     ]  # fmt: skip
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed below

@@ -246,7 +246,8 @@ def test_a_signal_or_a_full_disk_at_every_phase_closes_the_run_and_keeps_what_wa
     _inject(monkeypatch, phase, kind)
     said: list[str] = []
     uri = migrated_store(tmp_path / "mlflow.db")
-    result = run(compose([f"tracking.uri={uri}", "model=llama", "candidate=bf16"]), tmp_path / "run", echo=said.append)
+    overrides = [f"tracking.uri={uri}", "model=llama", "candidate=bf16", "compare.noise_floor=off"]
+    result = run(compose(overrides), tmp_path / "run", echo=said.append)
     assert result.exit_code == (130 if kind == "sigterm" else 2), said
     assert not any("Traceback" in line for line in said)
     messages = [line for line in said if "interrupted" in line or "No space left" in line]
