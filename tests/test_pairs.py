@@ -9,7 +9,7 @@ import torch
 
 from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, trace_model
 from paritylab.tracing.tracefile import Trace
-from tests.pairs import PAIRS, planted, transformer_lens_available, unavailable
+from tests.pairs import PAIRS, SEED, planted, transformer_lens_available, unavailable
 
 _MISSING = transformer_lens_available()
 PAIR_NAMES = [
@@ -61,6 +61,27 @@ def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
         if named not in expected or report.passed:
             missed.append((site, kind, named))
     assert missed == []
+
+
+def test_a_clean_bf16_pair_with_other_weights_raises_no_false_alarm(tmp_path):
+    """With weights seeded 3, TransformerLens' bf16 MLP carries a -0.1 % gain that is 12x the reference's own
+    single-sample gain, but only 2.3 standard errors out: rounding, not a bug. The systematic part is judged
+    by its standard error (``systematic_z``), so the clean pair passes."""
+    if _MISSING:
+        pytest.skip(_MISSING)
+    SEED[0] = 3
+    try:
+        case = PAIRS["llama"](torch.bfloat16)
+    finally:
+        SEED[0] = 0
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
+    )
+    report = _judge(case, tmp_path, "clean", reference_trace, floors)
+    assert report.passed and report.first_divergence is None
+    mlp = next(row for row in report.rows if row.path == "model.layers.0.mlp")
+    assert abs(mlp.local["gain_z"]) < 8 and mlp.local["local_diverged"] == 0.0
 
 
 def test_a_bug_does_not_move_the_alignment(tmp_path):
