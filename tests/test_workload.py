@@ -11,8 +11,10 @@ from torch import nn
 
 from paritylab.cli.app import compose
 from paritylab.run.config import ConfigError
+from paritylab.run.inputs import prompt_inputs
 from paritylab.run.runner import run
 from paritylab.run.workload import infer_call, synthetic_inputs
+from paritylab.tracing.tracefile import Trace
 from tests.helpers import migrated_store
 from tests.pairs import transformer_lens_available
 
@@ -167,3 +169,55 @@ def test_select_output_reads_keys_attributes_and_indices():
         select_output(CausalLMOutput(logits=logits), "scores")
     with pytest.raises(ConfigError, match=r"candidate\.call\.output=1\.5"):
         output_choice(1.5, "candidate")
+
+
+def _word_tokenizer(directory: Path) -> str:
+    """A real tokenizer saved locally (no hub): a word-level vocabulary through ``tokenizers``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "what", "is", "shown", "in", "this", "image", "a", "cat"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_jsonl_of_prompts_feeds_both_sides_as_one_padded_batch(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "what is shown in this image"}\n\n{"input_ids": [8, 9, 3, 2]}\n')
+    tokenizer = _word_tokenizer(tmp_path / "tokenizer")
+    result, _ = _run(
+        tmp_path, "tracking=off", "model=llama", "candidate=sdpa", "inputs=prompts", f"inputs.path={prompts}",
+        f"inputs.tokenizer={tokenizer}", "compare.replay=false",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.error
+    ids = Trace.load(result.directory / "reference").call("#0").inputs["items"]["kwargs"]["items"]["input_ids"]
+    assert ids["shape"] == [2, 6]  # two prompts, the longer one's 6 words; the other right-padded
+    inputs = prompt_inputs(str(prompts), tokenizer, nn.Linear(1, 1))
+    assert inputs["input_ids"].tolist() == [[2, 3, 4, 5, 6, 7], [8, 9, 3, 2, 0, 0]]
+    assert inputs["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"prompt": "what is this"}\n', "holds text prompts but no tokenizer is known: set inputs.tokenizer="),
+        ('{"input_ids": [1, 99999]}\n', "token id 99999 is outside the model's vocabulary"),
+        ('{"question": "?"}\n', 'line 1: expected {"prompt": "<text>"} or {"input_ids": [<token ids>]}'),
+        ("not json\n", "line 1, is not JSON"),
+    ],
+)
+def test_bad_prompt_files_are_one_line(tmp_path, content, expected):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    overrides = ["tracking=off", "model=llama", "candidate=sdpa", "inputs=prompts", f"inputs.path={prompts}"]
+    result, _ = _run(tmp_path, *overrides)
+    assert result.exit_code == 2 and expected in result.error and "\n" not in result.error
+
+
+def test_a_missing_input_file_fails_before_any_model_is_built(tmp_path):
+    said: list[str] = []
+    result = run(compose(["tracking=off", "inputs=prompts", "inputs.path=nowhere.jsonl"]), tmp_path, echo=said.append)
+    expected = 'inputs=prompts needs inputs.path=<a JSONL file of {"prompt": ...} lines>; got ' + repr("nowhere.jsonl")
+    assert result.exit_code == 2 and said == [f"paritylab: {expected}"]

@@ -57,6 +57,7 @@ class InputKind(enum.StrEnum):
     synthetic = "synthetic"
     processor = "processor"
     file = "file"
+    prompts = "prompts"
 
 
 class DType(enum.StrEnum):
@@ -131,7 +132,10 @@ class InputsConfig:
     """Image file for ``kind=processor`` (default: the sample image shipped with paritylab)."""
     prompt: str = "USER: <image>\nWhat is shown in this image? ASSISTANT:"
     path: str | None = None
-    """``kind=file``: a safetensors file of named tensors (``input_ids``, ``pixel_values``, ...)."""
+    """``kind=file``: a safetensors file of named tensors (``input_ids``, ``pixel_values``, ...); ``kind=prompts``:
+    a JSONL file, one ``{"prompt": "..."}`` or ``{"input_ids": [...]}`` per line (the lines are the batch)."""
+    tokenizer: str | None = None
+    """``kind=prompts``: the tokenizer (a directory or hub id) for text prompts; default: ``model.build.pretrained``."""
 
 
 @dataclass
@@ -284,6 +288,10 @@ def check_settings(cfg: DictConfig) -> None:
             )
     if cfg.output_dir:
         check_writable("output_dir", Path(str(cfg.output_dir)))
+    kind, path = str(cfg.inputs.kind), cfg.inputs.get("path")
+    if kind in ("file", "prompts") and not (path and Path(str(path)).is_file()):
+        what = "a safetensors file of named tensors" if kind == "file" else 'a JSONL file of {"prompt": ...} lines'
+        raise ConfigError(f"inputs={kind} needs inputs.path=<{what}>; got {path!r}")
 
 
 def check_writable(key: str, directory: Path) -> None:

@@ -1,4 +1,5 @@
-"""Model inputs: seeded synthetic tensors for tiny models, or an image and a prompt through the model's processor."""
+"""Model inputs: seeded synthetic tensors for tiny models, an image and a prompt through the model's processor, a
+safetensors file of named tensors, or a JSONL file of prompts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None
         return processor_inputs(cfg, pretrained)
     if str(cfg.kind) == "file":
         return file_inputs(cfg.path)
+    if str(cfg.kind) == "prompts":
+        return prompt_inputs(cfg.path, cfg.get("tokenizer") or pretrained, model)
     generator = torch.Generator().manual_seed(int(cfg.seed))
     config = getattr(model, "config", None)
     if family == "llava":
@@ -45,6 +48,68 @@ def file_inputs(path: str | None) -> dict[str, torch.Tensor]:
     if not tensors:
         raise ConfigError(f"inputs.path={path!r} holds no tensors: save named inputs such as input_ids")
     return tensors
+
+
+MAX_PROMPTS_BYTES = 64 << 20
+
+
+def prompt_inputs(path: str | None, tokenizer: str | None, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` from a JSONL file of prompts, one per line: ``{"prompt": text}``
+    (tokenized with ``tokenizer``) or ``{"input_ids": [ids]}``; right-padded into one batch."""
+    import json
+
+    where = f"inputs.path={path!r}"
+    if not path or not Path(path).is_file():
+        raise ConfigError(f'inputs=prompts needs inputs.path=<a JSONL file of {{"prompt": ...}} lines>; got {path!r}')
+    if Path(path).stat().st_size > MAX_PROMPTS_BYTES:
+        raise ConfigError(f"{where} is over {MAX_PROMPTS_BYTES >> 20} MB: a prompt file holds one batch")
+    rows: list[list[int]] = []
+    encode = None
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as error:
+            raise ConfigError(f"{where}, line {number}, is not JSON: {error}") from error
+        ids = item.get("input_ids") if isinstance(item, dict) else None
+        text = (item.get("prompt") or item.get("text")) if isinstance(item, dict) else None
+        if isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
+            rows.append(ids)
+        elif isinstance(text, str) and text:
+            encode = encode or _tokenizer(tokenizer, where)
+            rows.append(list(encode(text)))
+        else:
+            raise ConfigError(
+                f'{where}, line {number}: expected {{"prompt": "<text>"}} or {{"input_ids": [<token ids>]}}'
+            )
+    if not rows:
+        raise ConfigError(f"{where} holds no prompts")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and (largest := max(max(row) for row in rows)) >= vocab:
+        raise ConfigError(f"{where}: token id {largest} is outside the model's vocabulary of {vocab}")
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row)
+        mask[index, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _tokenizer(name: str | None, where: str) -> Any:
+    if not name:
+        raise ConfigError(
+            f"{where} holds text prompts but no tokenizer is known: set inputs.tokenizer=<dir or hub id> "
+            '(or model.build.pretrained), or give token ids as {"input_ids": [...]}'
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"inputs.tokenizer={name!r} cannot be loaded: {str(error).splitlines()[0]}") from error
+    return lambda text: tokenizer(text)["input_ids"]
 
 
 def llava_inputs(config: Any, batch: int, length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
