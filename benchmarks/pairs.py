@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
 from tests.pairs import KINDS, PAIRS, SEED, planted, transformer_lens_available
 
 
@@ -94,6 +94,7 @@ def clean_seeds(name: str, args: argparse.Namespace) -> list[str]:
                         case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs
                     )
                 candidate_trace = trace_model(case.candidate, case.candidate_call, base / "candidate")
+                match_weight_grids(case.reference, case.candidate, reference_trace, candidate_trace)
                 report = compare_and_replay(
                     reference_trace, candidate_trace, case.candidate, case.candidate_call, base, floors=floors
                 )
@@ -124,6 +125,7 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
         counter += 1
         directory = base / f"{counter}-{tag}"
         candidate_trace = trace_model(case.candidate, case.candidate_call, directory / "candidate")
+        match_weight_grids(case.reference, case.candidate, reference_trace, candidate_trace)
         report = compare_and_replay(
             reference_trace, candidate_trace, case.candidate, case.candidate_call, directory, floors=floors
         )

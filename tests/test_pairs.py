@@ -84,6 +84,35 @@ def test_a_clean_bf16_pair_with_other_weights_raises_no_false_alarm(tmp_path):
     assert abs(mlp.local["gain_z"]) < 8 and mlp.local["local_diverged"] == 0.0
 
 
+def test_an_fp16_candidate_is_paired_by_its_weights_and_an_offset_in_it_named(tmp_path):
+    """Fingerprints hash weights rounded to bf16; an fp16 copy rounds through fp16 first (6 % of values then
+    differ), so the fp32 side is re-fingerprinted on the fp16 grid (``match_weight_grids``). The port's modules
+    are paired by their weights, the clean pair passes, and a 0.1 % offset is named."""
+    from paritylab.run.parity import match_weight_grids
+
+    case = PAIRS["llava"](torch.float16)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.float16, tmp_path, case.cast_inputs
+    )
+
+    def judge(tag):
+        candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / tag / "candidate")
+        match_weight_grids(case.reference, case.candidate, reference_trace, candidate_trace)
+        return compare_and_replay(
+            reference_trace, candidate_trace, case.candidate, case.candidate_call, tmp_path / tag, floors=floors
+        )
+
+    clean = judge("clean")
+    assert clean.passed and clean.first_divergence is None
+    pairs = {p.reference: (p.candidate, p.source) for p in clean.alignment.pairs}
+    assert pairs["model.multi_modal_projector.linear_1#0"] == ("mm_projector.0#0", "structure")
+    with planted(case.candidate, "mm_projector.0", "offset", 1e-3):
+        buggy = judge("buggy")
+    assert buggy.first_divergence is not None
+    assert buggy.first_divergence.path == "model.multi_modal_projector.linear_1"
+
+
 def test_a_bug_does_not_move_the_alignment(tmp_path):
     """Structure decides pairs: a 5 % error in one module leaves every pair exactly where it was."""
     if _MISSING:

@@ -112,6 +112,21 @@ def local_floors(reference_trace: Trace, replayed: Trace, alignment: Alignment) 
     return local_metrics
 
 
+def match_weight_grids(
+    reference: nn.Module, candidate: nn.Module, reference_trace: Trace, candidate_trace: Trace
+) -> None:
+    """Weight fingerprints hash values rounded to bfloat16, which pairs fp32 weights with their bf16 copies.
+    An fp16 copy rounds through fp16 first, which changes 6 % of them; so when one side holds float16 weights
+    and the other wider ones, the wider side's fingerprints (in its trace's meta, in memory) are recomputed on
+    the fp16 grid before alignment."""
+    from paritylab.tracing.structure import fingerprint_json
+
+    sides = ((reference, reference_trace, candidate), (candidate, candidate_trace, reference))
+    for model, trace, other in sides:
+        if low_precision(other) == torch.float16 and low_precision(model) is None and "structure" in trace.meta:
+            trace.meta["structure"] = fingerprint_json(model, "fp16")
+
+
 def check(
     reference: nn.Module,
     candidate: nn.Module,
@@ -136,6 +151,7 @@ def check(
     candidate_call = candidate_call or reference_call
     reference_trace = trace_model(reference, reference_call, directory / "reference")
     candidate_trace = trace_model(candidate, candidate_call, directory / "candidate")
+    match_weight_grids(reference, candidate, reference_trace, candidate_trace)
     dtype = low_precision(reference, candidate)
     floors = None
     if noise_floor == "on" or (noise_floor == "auto" and dtype is not None):

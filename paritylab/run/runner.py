@@ -35,7 +35,7 @@ from paritylab.reports.render import headline, rows_table, to_console, to_html, 
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.inputs import build_inputs
-from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision
+from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision, match_weight_grids
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
@@ -223,6 +223,7 @@ class _Session:
         self._mark("build candidate")
         cand_trace = self._trace("candidate", candidate.model, cand_run)
         self._check_output("candidate", cand_trace)
+        match_weight_grids(reference, candidate.model, ref_trace, cand_trace)
         self._mark("trace candidate")
         if one_resident:
             self._offload("candidate", candidate.model)

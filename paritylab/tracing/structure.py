@@ -88,7 +88,12 @@ class ModulePrint:
         return cls(str(data["path"]), int(data["digest"]) & MASK, int(data["numel"]), params)
 
 
-def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
+GRIDS = ("bf16", "fp16")
+"""What values are rounded to before hashing: ``bf16`` (the default; a bf16 copy of fp32 weights hashes alike),
+or ``fp16`` then bf16 (how an fp16 copy's weights hash: rounding through fp16 first changes 6 % of them)."""
+
+
+def fingerprint(model: nn.Module, grid: str = "bf16") -> dict[str, ModulePrint]:
     """Module path -> fingerprint, for every module of ``model`` (computed without autograd)."""
     digests: dict[int, int] = {}
     direct: dict[str, tuple[ParamPrint, ...]] = {}
@@ -96,7 +101,7 @@ def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
         for path, module in model.named_modules():
             prints = []
             for name, param in module.named_parameters(recurse=False):
-                summary = _param_print(name, param)
+                summary = _param_print(name, param, grid)
                 if summary.digest == 0:
                     continue  # all zeros: computes nothing
                 digests.setdefault(id(param), summary.digest)
@@ -115,31 +120,32 @@ def fingerprint(model: nn.Module) -> dict[str, ModulePrint]:
     return result
 
 
-_cache: dict[int, tuple[weakref.ref[torch.Tensor], int, int, ParamPrint]] = {}
+_cache: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], int, int, ParamPrint]] = {}
 """id(parameter) -> (the parameter, its version counter, its data pointer, its print): a parameter is hashed
 once while its values are unchanged, so tracing the same weights again (capture loops, replay, decode
 steps) costs nothing here."""
 
 
-_models: dict[int, tuple[weakref.ref[nn.Module], tuple[tuple[int, int, int], ...], list[dict[str, Any]]]] = {}
+_ModelEntry = tuple[weakref.ref[nn.Module], tuple[tuple[int, int, int], ...], list[dict[str, Any]]]
+_models: dict[tuple[int, str], _ModelEntry] = {}
 
 
-def fingerprint_json(model: nn.Module) -> list[dict[str, Any]]:
+def fingerprint_json(model: nn.Module, grid: str = "bf16") -> list[dict[str, Any]]:
     """:func:`fingerprint` as JSON-ready entries, reused while every parameter of ``model`` is the same
     tensor with the same version and storage (tracing one model again costs microseconds here)."""
     key = tuple((id(p), getattr(p, "_version", -1), p.data_ptr() if p.numel() else 0) for p in model.parameters())
-    cached = _models.get(id(model))
+    ident = (id(model), grid)
+    cached = _models.get(ident)
     if cached is not None and cached[0]() is model and cached[1] == key and -1 not in (k[1] for k in key):
         return cached[2]
-    entries = [item.to_json() for item in fingerprint(model).values()]
-    ident = id(model)
+    entries = [item.to_json() for item in fingerprint(model, grid).values()]
     _models[ident] = (weakref.ref(model, lambda _: _models.pop(ident, None)), key, entries)
     return entries
 
 
-def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
+def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPrint:
     version, pointer = getattr(param, "_version", -1), param.data_ptr() if param.numel() else 0
-    cached = _cache.get(id(param))
+    cached = _cache.get((id(param), grid))
     if cached is not None and cached[0]() is param and cached[1:3] == (version, pointer):
         found = cached[3]
         return found if found.name == name else dataclasses.replace(found, name=name)
@@ -148,6 +154,8 @@ def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
         values = torch.view_as_real(values)
     elif not values.is_floating_point():
         values = values.to(torch.float32)
+    if grid == "fp16" and values.dtype in (torch.float32, torch.float64):
+        values = values.to(torch.float16)
     hashed = element_hashes(values)
     digest = int(hashed.sum(dtype=torch.int64)) & MASK
     rows = cols = b""
@@ -156,7 +164,7 @@ def _param_print(name: str, param: torch.Tensor) -> ParamPrint:
         cols = _pack(hashed.sum(dim=0, dtype=torch.int64))
     made = ParamPrint(name, tuple(param.shape), digest, rows, cols)
     if version != -1:
-        key = id(param)
+        key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)
     return made
 
