@@ -109,9 +109,11 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     result = app(tmp_path, f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout=2", "compare.replay=false")
     elapsed = time.monotonic() - started
     assert result.returncode == 2
-    assert elapsed < 60
+    assert elapsed < 180  # never hangs on the server (MLflow's own retries would take minutes)
     assert "failed to" in result.stdout and "paritylab-upload " in result.stdout
     directory = tmp_path / "hydra"
+    seconds = json.loads((directory / "run.json").read_text())["seconds"]
+    assert seconds["tracking start"] + seconds["publish"] < 20  # the timeout (2 s) and one retry, not a model's
     assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
     store = migrated_store(tmp_path / "later.db")
     upload = subprocess.run(
