@@ -294,13 +294,17 @@ class _Session:
         given = bool(call.args or call.kwargs)
         args, kwargs = (list(call.args), dict(call.kwargs)) if given else (None, None)
         spec = infer_call(model, inputs, key, args, kwargs, list(call.drop))
-        return dataclasses.replace(spec, cast=bool(call.cast), output=output_choice(call.get("output"), key))
+        return dataclasses.replace(spec, cast=bool(call.cast), output=self._output(key))
+
+    def _output(self, key: str) -> int | str | None:
+        """``{key}.call.output``: which part of that side's return value is "the output"."""
+        return output_choice(self.cfg[key].call.get("output"), key)
 
     def _check_output(self, key: str, trace: Trace) -> None:
         """``{key}.call.output`` names a part of what the side's forward returned (known once it ran)."""
         if trace.calls and not trace.meta.get("error"):
             root = trace.calls[0]
-            check_output(root.outputs, output_choice(self.cfg[key].call.get("output"), key), key, root.cls)
+            check_output(root.outputs, self._output(key), key, root.cls)
 
     def _trace(self, side: str, model: nn.Module, run: Callable[[nn.Module], Any]) -> Trace:
         from tqdm.auto import tqdm
@@ -395,7 +399,7 @@ class _Session:
 
     def _rules(self, candidate: Candidate, reference: Trace, traced: Trace) -> list[Rule]:
         extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
-        chosen = [output_choice(self.cfg[key].call.get("output"), key) for key in ("model", "candidate")]
+        chosen = [self._output(key) for key in ("model", "candidate")]
         if chosen != [None, None] and reference.calls and traced.calls:  # "the output", as each side's call says
             extra = [Rule(reference.calls[0].path, traced.calls[0].path, chosen[0], chosen[1]), *extra]
         return extra + candidate.rules
