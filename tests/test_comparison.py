@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_planted_bug_is_localised_and_replay_isolates_it(tmp_path, plant):
         candidate = traced(model, forward, tmp_path)
         report = compare_traces(reference, candidate)
         replay = isolated_replay(model, forward, reference, candidate, report.alignment, tmp_path / "replay")
-    attach_replay(report, reference, replay)
+    report = attach_replay(report, reference, replay)
     assert not report.passed
     assert report.first_divergence.path == plant
     assert [row.path for row in report.origins] == [plant]
@@ -179,6 +180,25 @@ def test_port_rules_align_fused_projections_by_chunk(tmp_path):
     assert "model.language_model.layers.0.mlp.up_proj#0" not in report.alignment.unmatched_reference
 
 
+def test_check_is_the_pipeline_from_python_and_no_phase_changes_an_earlier_phases_report(tmp_path):
+    from paritylab.run.parity import check
+
+    plant = "model.layers.1.mlp.down_proj"
+    model = tiny_llama()
+    with planted(model, plant, scale=1.02):
+        result = check(tiny_llama(), model, tmp_path, reference_call=forward)
+    assert (result.verdict, result.exit_code, result.passed) == ("fail", 1, False)
+    assert result.report.first_divergence.path == plant
+    assert [row.path for row in result.report.replay_origins] == [plant]
+    assert next(r for r in result.report.rows if r.path == plant).local["local_rel_l2"] == pytest.approx(0.02, 1e-3)
+    free_run = result.free_run  # the comparison before replay, as the compare phase returned it
+    assert free_run.replay_origins == [] and not any(row.local for row in free_run.rows)
+    assert free_run.first_divergence.path == plant and free_run.first_divergence is not result.report.first_divergence
+    assert result.reference.calls[0].path == "" and Path(result.directory, "candidate", "trace.json").is_file()
+    clean = check(tiny_llama(), tiny_llama(), tmp_path / "clean", reference_call=forward)
+    assert (clean.verdict, clean.exit_code, clean.report.first_divergence) == ("pass", 0, None)
+
+
 def test_port_bug_is_localised_across_implementations(tmp_path):
     _, port, inputs, ref_trace, _ = llava_pair(tmp_path)
     run = lambda m: m(inputs["input_ids"], inputs["pixel_values"])  # noqa: E731
@@ -186,7 +206,7 @@ def test_port_bug_is_localised_across_implementations(tmp_path):
         candidate = traced(port, run, tmp_path)
         report = compare_traces(ref_trace, candidate, rules=load_rules(ALIGNMENT))
         replay = isolated_replay(port, run, ref_trace, candidate, report.alignment)
-    attach_replay(report, ref_trace, replay)
+    report = attach_replay(report, ref_trace, replay)
     assert report.first_divergence.path == "model.language_model.layers.1.self_attn.o_proj"
     assert [row.path for row in report.replay_origins] == ["model.language_model.layers.1.self_attn.o_proj"]
 

@@ -230,11 +230,9 @@ def _inject(monkeypatch, phase: str, kind: str) -> None:
 
         monkeypatch.setattr(runner_module, "build_candidate", build_with_a_fault)
     else:
-        target = {"build": "build_candidate", "compare": "compare_traces", "report": "to_html", "publish": "publish"}
-        if phase == "replay":
-            monkeypatch.setattr(runner_module._Session, "_replay", failing)
-        else:
-            monkeypatch.setattr(runner_module, target[phase], failing)
+        target = {"build": "build_candidate", "compare": "compare", "replay": "judge_with_replay"}
+        target |= {"report": "to_html", "publish": "publish"}
+        monkeypatch.setattr(runner_module, target[phase], failing)
 
 
 @pytest.mark.slow

@@ -181,8 +181,9 @@ def attach_replay(
     local_floor: Mapping[str, Mapping[str, float]] | None = None,
     floor_replay: Trace | None = None,
 ) -> Report:
-    """Fill each row's ``local`` with the replay's error, its inherited (input) error and amplification,
-    and name one culprit from the free run and the replay together; returns the replay's comparison.
+    """The free-run ``report`` judged again with the replay: a new report (``report`` is left as it is) whose
+    rows' ``local`` hold the replay's error, the inherited (input) error and the amplification, with one
+    culprit named from the free run and the replay together.
 
     ``local_floor`` (low-precision runs) maps reference call keys to the metrics of the reference module
     itself at the candidate's precision on the reference's exact input (:func:`paritylab.run.parity.estimate_floors`).
@@ -193,6 +194,7 @@ def attach_replay(
     below the rounding of single values.
     """
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
+    report = report.copy()
     local_rows = {row.index: row for row in replay_report.rows}
     parts = {pair.reference: (pair.reference_part, pair.candidate_part) for pair in report.alignment.pairs}
     fed_wrong: dict[int, tuple[Row, str]] = {}
@@ -238,7 +240,7 @@ def attach_replay(
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
-    return replay_report
+    return report
 
 
 def _systematic(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -179,6 +179,19 @@ class Report:
         """The row of the model's output (the outermost call that was compared)."""
         compared = [row for row in self.rows if row.status in ("compared", "stats-only", "shape-mismatch")]
         return min(compared, key=lambda row: (row.depth, row.index)) if compared else None
+
+    def copy(self) -> Report:
+        """A report whose rows can be re-judged without touching this one's (metrics and alignment shared:
+        later phases add to a row's verdict, note, cause and ``local``, never to what the comparison measured)."""
+        copies = {id(row): replace(row, local=dict(row.local)) for row in self.rows}
+        first = self.first_divergence
+        return replace(
+            self,
+            rows=list(copies.values()),
+            first_divergence=None if first is None else copies.get(id(first), first),
+            origins=[copies.get(id(row), row) for row in self.origins],
+            replay_origins=[copies.get(id(row), row) for row in self.replay_origins],
+        )
 
     def summary(self) -> dict[str, Any]:
         judged = [row for row in self.rows if row.verdict != "skip"]

@@ -1,17 +1,18 @@
 """The parity check as plain functions: trace both sides, estimate noise floors, compare, replay.
 
->>> report = paritylab.check(reference, candidate, "runs/gpt2", reference_call=lambda m: m(ids),
+>>> result = paritylab.check(reference, candidate, "runs/gpt2", reference_call=lambda m: m(ids),
 ...                          candidate_call=lambda m: m(ids))
->>> report.first_divergence.path if report.first_divergence else "parity holds"
+>>> result.verdict, result.report.first_divergence.path if result.report.first_divergence else "-"
 
-Each phase is a function returning a value; :func:`check` chains them. The Hydra app runs the same
-functions, so the numbers a script gets are the numbers a configured run gets.
+Each phase is a function returning a value (:func:`trace_model`, :func:`estimate_floors`, :func:`compare`,
+:func:`judge_with_replay`); :func:`check` chains them into one :class:`ParityResult`. The Hydra app runs the
+same functions, so the numbers a script gets are the numbers a configured run gets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
 Call = Callable[[nn.Module], Any]
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -47,6 +50,9 @@ class Floors:
     local_trace: Trace | None = None
     """That replay itself: each module's low-precision output, against which a candidate's replayed output
     is tested for a systematic part (None when the candidate is the reference cast: it is the same run)."""
+    from_candidate: bool = False
+    """The low-precision side is the candidate's own trace (the candidate is the reference cast to ``dtype``):
+    the local floors are read from the candidate's isolated replay (:func:`judge_with_replay`)."""
 
 
 def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
@@ -88,7 +94,7 @@ def estimate_floors(
     exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
     del exact_model
     if low_trace is not None:
-        return Floors(dtype, free_run_floor(exact, low_trace))
+        return Floors(dtype, free_run_floor(exact, low_trace), from_candidate=True)
     low_model = converted_copy(reference, dtype)
     low = trace_model(low_model, runner(dtype), directory / "noise-low", capture=None)
     alignment = align(reference_trace, low)
@@ -127,6 +133,83 @@ def match_weight_grids(
             trace.meta["structure"] = fingerprint_json(model, "fp16")
 
 
+@dataclass(frozen=True)
+class ParityResult:
+    """What a parity check produced: the final judgement and the evidence it rests on.
+
+    ``report`` is the free-run comparison judged again with isolated replay (and, in a configured run,
+    extended by the drill-down and decode steps); ``free_run`` is the comparison before replay. Both traces
+    stay readable from ``directory``.
+    """
+
+    report: Report
+    free_run: Report
+    reference: Trace
+    candidate: Trace
+    floors: Floors | None
+    directory: Path
+
+    @property
+    def verdict(self) -> str:
+        """``pass``, ``fail``, ``inconclusive`` (some aligned output could not be compared by value) or ``error``."""
+        return self.report.verdict
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+    @property
+    def exit_code(self) -> int:
+        """The command line's exit code for this verdict: 0 pass, 1 fail, 2 error, 3 inconclusive."""
+        return EXIT_CODES[self.verdict]
+
+
+def compare(
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    *,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    floors: Floors | None = None,
+    noise_multiple: float = 4.0,
+    pinned: bool = False,
+) -> Report:
+    """The free-run comparison: align, measure every pair, localise where divergence starts."""
+    return compare_traces(
+        reference_trace,
+        candidate_trace,
+        rules=rules,
+        tolerances=tolerances,
+        noise_floor=floors.free_run if floors else None,
+        noise_multiple=noise_multiple,
+        pinned=pinned,
+    )
+
+
+def judge_with_replay(
+    report: Report,
+    candidate: nn.Module,
+    candidate_call: Call,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    directory: Path,
+    *,
+    tolerances: Tolerances | None = None,
+    floors: Floors | None = None,
+) -> tuple[Report, Floors | None]:
+    """Isolated replay: the candidate run again with every aligned output replaced by the reference's value.
+    Returns ``report`` judged again with each module's own error (a new report) and the floors used: when the
+    candidate is the reference cast to low precision (``floors.from_candidate``), its replay is also the
+    reference's own low-precision replay, so the local floors are read from it here."""
+    replayed = isolated_replay(
+        candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
+    )
+    if floors is not None and floors.from_candidate:
+        floors = replace(floors, local_metrics=local_floors(reference_trace, replayed, report.alignment))
+    local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
+    return attach_replay(report, reference_trace, replayed, tolerances, local, own), floors
+
+
 def check(
     reference: nn.Module,
     candidate: nn.Module,
@@ -140,7 +223,7 @@ def check(
     noise_multiple: float = 4.0,
     replay: bool = True,
     cast_inputs: Callable[[torch.dtype], Call] | None = None,
-) -> Report:
+) -> ParityResult:
     """Trace both models, compare them module by module and name where divergence starts.
 
     ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
@@ -158,17 +241,17 @@ def check(
         floors = estimate_floors(
             reference, reference_call, reference_trace, dtype or torch.bfloat16, directory, cast_inputs
         )
-    return compare_and_replay(
-        reference_trace,
-        candidate_trace,
-        candidate if replay else None,
-        candidate_call,
-        directory,
-        rules=rules,
-        tolerances=tolerances,
-        floors=floors,
+    free_run = compare(
+        reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
         noise_multiple=noise_multiple,
-    )
+    )  # fmt: skip
+    report = free_run
+    if replay and not free_run.errors and free_run.alignment.pairs:
+        report, floors = judge_with_replay(
+            free_run, candidate, candidate_call, reference_trace, candidate_trace, directory,
+            tolerances=tolerances, floors=floors,
+        )  # fmt: skip
+    return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
 
 
 def compare_and_replay(
@@ -183,20 +266,14 @@ def compare_and_replay(
     floors: Floors | None = None,
     noise_multiple: float = 4.0,
 ) -> Report:
-    """Compare two traces, then (given the candidate model) replay it on the reference's values."""
-    report = compare_traces(
-        reference_trace,
-        candidate_trace,
-        rules=rules,
-        tolerances=tolerances,
-        noise_floor=floors.free_run if floors else None,
+    """:func:`compare`, then (given the candidate model) :func:`judge_with_replay`: the final report."""
+    report = compare(
+        reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
         noise_multiple=noise_multiple,
-    )
+    )  # fmt: skip
     if candidate is None or report.errors or not report.alignment.pairs:
         return report
-    replayed = isolated_replay(
-        candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
-    )
-    local = floors.local_metrics if floors else None
-    attach_replay(report, reference_trace, replayed, tolerances, local, floors.local_trace if floors else None)
-    return report
+    return judge_with_replay(
+        report, candidate, candidate_call, reference_trace, candidate_trace, directory,
+        tolerances=tolerances, floors=floors,
+    )[0]  # fmt: skip

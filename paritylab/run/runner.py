@@ -35,7 +35,18 @@ from paritylab.reports.render import headline, rows_table, to_console, to_html, 
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.inputs import build_inputs
-from paritylab.run.parity import Floors, estimate_floors, local_floors, low_precision, match_weight_grids
+from paritylab.run.parity import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_PASS,
+    Floors,
+    ParityResult,
+    compare,
+    estimate_floors,
+    judge_with_replay,
+    low_precision,
+    match_weight_grids,
+)
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
@@ -54,8 +65,6 @@ from paritylab.sink.tracking import (
 from paritylab.tracing.tracefile import Trace, display_path, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
-EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_ERROR, "inconclusive": EXIT_INCONCLUSIVE}
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
 
@@ -69,6 +78,8 @@ class RunResult:
     error: str | None = None
     tracking_error: str | None = None
     notes: list[str] = field(default_factory=list)
+    parity: ParityResult | None = None
+    """The pipeline's result (None when the run stopped before the comparison finished)."""
 
 
 def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[str], None] = print) -> RunResult:
@@ -95,7 +106,12 @@ def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[st
 
 
 class _Session:
-    """One run: its directory, tracker and the state the phases hand each other."""
+    """The shell around one run: its directory, MLflow tracker, notes and phase timings.
+
+    The phases are functions returning values (:mod:`paritylab.run.parity`); :meth:`_phases` threads them as
+    local variables. The session keeps only the latest report, written to disk as soon as it exists, so a
+    fault in a later phase still leaves and logs it.
+    """
 
     def __init__(self, cfg: DictConfig, directory: Path, echo: Callable[[str], None]) -> None:
         self.cfg = cfg
@@ -105,11 +121,11 @@ class _Session:
         self.tracker: Tracker = Tracker()
         self.tracking_error: str | None = None
         self.report: Report | None = None
+        self.parity: ParityResult | None = None
         self.notes: list[str] = []
         self.started = time.perf_counter()
         self.regression: Regression | None = None
         self.sweep = sweep_state()
-        self.floors_from_replay = False
         self.timings: dict[str, float] = {}
         """Seconds per phase, in order (``startup``: from the process start to the run's start)."""
         age = process_age()
@@ -134,7 +150,8 @@ class _Session:
             self.echo(f"paritylab: {self.tracking_error}")
         self._mark("tracking start")
         try:
-            code = self._phases()
+            self.parity = self._phases()
+            code = self.parity.exit_code
         except KeyboardInterrupt:
             status, code, error = "KILLED", EXIT_INTERRUPTED, "interrupted"
             self.echo("paritylab: interrupted; logging what was produced")
@@ -175,7 +192,9 @@ class _Session:
             except OSError as failure:  # a full disk: say so in one line; the exit code still tells
                 self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
                 code = code if code != EXIT_PASS else EXIT_ERROR
-        return RunResult(code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes)
+        return RunResult(
+            code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes, self.parity
+        )
 
     def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
         """``run.json``: the outcome in one small file (sweeps summarise these)."""
@@ -201,7 +220,7 @@ class _Session:
 
     # -- phases ---------------------------------------------------------------------------------------------
 
-    def _phases(self) -> int:
+    def _phases(self) -> ParityResult:
         cfg = self.cfg
         torch.manual_seed(int(cfg.seed))
         self.echo(f"paritylab: {cfg.model.name} vs {cfg.candidate.name} on {self.device} -> {self.directory}")
@@ -233,28 +252,37 @@ class _Session:
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
         frozen = self._frozen_alignment()
-        pinned = frozen is not None
         if frozen is not None:
             rules = load_rules(frozen)
-        report = compare_traces(
-            ref_trace, cand_trace, rules=rules, tolerances=tolerances, noise_floor=floors.free_run if floors else None,
-            noise_multiple=float(cfg.compare.noise_multiple), pinned=pinned,
+        free_run = compare(
+            ref_trace, cand_trace, rules=rules, tolerances=tolerances, floors=floors,
+            noise_multiple=float(cfg.compare.noise_multiple), pinned=frozen is not None,
         )  # fmt: skip
-        self.report = report
-        self._write_report()
+        report = self._keep(free_run)
         self._mark("compare")
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
-            self._replay(candidate.model.to(self.device), cand_run, ref_trace, cand_trace, tolerances, floors)
-            self._write_report()
+            self.echo("paritylab: isolated replay")
+            report, floors = judge_with_replay(
+                report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace, self.directory,
+                tolerances=tolerances, floors=floors,
+            )  # fmt: skip
+            self._keep(report)
             self._mark("replay")
         if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
-            self._drill_down(reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
+            found = self._drill_down(report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
+            report = self._keep(found)
             self._mark("drill-down")
         if int(cfg.generate.steps) > 0 and not report.errors:
-            self._generate(reference, candidate.model, inputs, rules, tolerances)
+            report = self._keep(self._generate(report, reference, candidate.model, inputs, rules, tolerances))
             self._mark("generate")
         self.echo(to_console(report))
-        return EXIT_CODES[report.verdict]
+        return ParityResult(report, free_run, ref_trace, cand_trace, floors, self.directory)
+
+    def _keep(self, report: Report) -> Report:
+        """``report`` is the run's latest: written to disk now (a later fault keeps it) and logged at the end."""
+        self.report = report
+        self._write_report(report)
+        return report
 
     def _frozen_alignment(self) -> Path | None:
         """The alignment to pin: ``compare.alignment=<file>``; by default (``baseline``) the alignment of the
@@ -357,9 +385,7 @@ class _Session:
         try:
             reference = Trace.load(self.directory / "reference")
             candidate = Trace.load(self.directory / "candidate") if side == "candidate" else Trace()
-            self.report = compare_traces(reference, candidate)
-            self._write_report()
-            self.echo(headline(self.report))
+            self.echo(headline(self._keep(compare_traces(reference, candidate))))
         except Exception as nested:  # the partial report is a bonus: never mask the forward's error
             self.notes.append(f"no partial report: {type(nested).__name__}: {nested}")
 
@@ -393,7 +419,6 @@ class _Session:
                 f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace and "
                 "isolated replay serve as the floor's low-precision side (two forwards saved)"
             )
-            self.floors_from_replay = True
             return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
 
@@ -404,42 +429,23 @@ class _Session:
             extra = [Rule(reference.calls[0].path, traced.calls[0].path, chosen[0], chosen[1]), *extra]
         return extra + candidate.rules
 
-    def _replay(
-        self,
-        model: nn.Module,
-        run: Callable[[nn.Module], Any],
-        reference: Trace,
-        candidate: Trace,
-        tolerances: Tolerances,
-        floors: Floors | None,
-    ) -> None:
-        from paritylab.comparison.replay import attach_replay, isolated_replay
-
-        assert self.report is not None
-        self.echo("paritylab: isolated replay")
-        replay = isolated_replay(model, run, reference, candidate, self.report.alignment, self.directory / "replay")
-        if floors is not None and self.floors_from_replay:
-            floors.local_metrics = local_floors(reference, replay, self.report.alignment)
-        local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
-        attach_replay(self.report, reference, replay, tolerances, local, own)
-
     def _drill_down(
         self,
+        report: Report,
         reference: nn.Module,
         ref_run: Callable[[nn.Module], Any],
         candidate: nn.Module,
         cand_run: Callable[[nn.Module], Any],
         ref_trace: Trace,
         cand_trace: Trace,
-    ) -> None:
-        """Inside the origin module, the first operation that differs (both sides run once more)."""
+    ) -> Report:
+        """``report`` with, inside its origin module, the first operation that differs (both sides run once more)."""
         from paritylab.comparison.drilldown import drill_into
         from paritylab.comparison.replay import teacher_forcing
 
-        report = self.report
-        first = report.first_divergence if report is not None else None
-        if report is None or first is None or first.candidate is None or first.status != "compared":
-            return  # an unmatched module has no counterpart to open
+        first = report.first_divergence
+        if first is None or first.candidate is None or first.status != "compared":
+            return report  # an unmatched module has no counterpart to open
         self.echo(f"paritylab: drilling into {display_path(first.path)}")
         key = first.candidate.key
         found = drill_into(
@@ -447,24 +453,22 @@ class _Session:
             lambda model: teacher_forcing(model, ref_trace, cand_trace, report.alignment, within=key),
             first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2),
         )  # fmt: skip
-        report.drilldown = found.to_dict()
         self.notes.extend(f"drill-down: {note}" for note in found.notes)
-        write_json(self.directory / "report" / "drilldown.json", report.drilldown, indent=1)
-        self._write_report()
+        write_json(self.directory / "report" / "drilldown.json", found.to_dict(), indent=1)
+        return dataclasses.replace(report, drilldown=found.to_dict())
 
     def _generate(
         self,
+        report: Report,
         reference: nn.Module,
         candidate: nn.Module,
         inputs: dict[str, torch.Tensor],
         rules: list[Rule],
         tolerances: Tolerances,
-    ) -> None:
-        """Decode-step parity after the forward (:mod:`paritylab.run.generate`)."""
+    ) -> Report:
+        """``report`` with decode-step parity after the forward (:mod:`paritylab.run.generate`)."""
         from paritylab.run.generate import generate_parity, step_heatmap
 
-        report = self.report
-        assert report is not None
         steps = int(self.cfg.generate.steps)
         self.echo(f"paritylab: {steps} decode steps with a KV cache on both sides")
         generation = generate_parity(
@@ -473,18 +477,15 @@ class _Session:
             rules=rules, tolerances=tolerances, top_k=int(self.cfg.generate.top_k),
             drilldown=bool(self.cfg.compare.drilldown), echo=self.echo,
         )  # fmt: skip
-        report.decode = generation.to_dict()
+        decode = generation.to_dict()
         folder = self.directory / "report"
-        write_json(folder / "decode.json", report.decode, indent=1)
+        write_json(folder / "decode.json", decode, indent=1)
         (folder / "decode_heatmap.svg").write_text(step_heatmap(generation), encoding="utf-8")
-        self._write_report()
+        return dataclasses.replace(report, decode=decode)
 
     # -- outputs --------------------------------------------------------------------------------------------
 
-    def _write_report(self) -> None:
-        report = self.report
-        if report is None:
-            return
+    def _write_report(self, report: Report) -> None:
         folder = self.directory / "report"
         folder.mkdir(exist_ok=True)
         (folder / "report.json").write_text(to_json(report), encoding="utf-8")
