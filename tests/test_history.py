@@ -12,8 +12,8 @@ import pytest
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
-from paritylab.sink.history import FINGERPRINT, assess, find_baseline, layer_errors, pair_fingerprint, promote
-from paritylab.sink.tracking import metric_key
+from paritylab.sink.history import FINGERPRINT, assess, layer_errors, pair_fingerprint
+from paritylab.sink.tracking import MlflowTracker, metric_key
 from tests.helpers import migrated_store
 
 
@@ -47,14 +47,16 @@ def test_the_fingerprint_covers_the_whole_pair_and_nothing_else():
 
 
 def test_baselines_never_cross_pairs_and_skip_killed_or_errored_runs(store):
-    _, client, experiment = store
+    uri, client, experiment = store
     fp32 = parity_run(client, experiment, "aaa")
     parity_run(client, experiment, "bbb")  # another pair (a bf16 override): never fp32's baseline
     parity_run(client, experiment, "aaa", status="KILLED")
     parity_run(client, experiment, "aaa", verdict="error", status="FAILED")
     parity_run(client, experiment, "aaa", trend=True)
-    assert find_baseline(client, experiment, "aaa", exclude=None).info.run_id == fp32
-    assert find_baseline(client, experiment, "ccc", exclude=None) is None
+    store = MlflowTracker(uri, "history").store()
+    assert store.find_baseline("aaa").run_id == fp32
+    assert store.find_baseline("aaa", exclude=fp32) is None  # a run is never its own baseline
+    assert store.find_baseline("ccc") is None
 
 
 def test_promote_refuses_what_cannot_be_a_baseline_unless_forced(store):
@@ -65,16 +67,17 @@ def test_promote_refuses_what_cannot_be_a_baseline_unless_forced(store):
         parity_run(client, experiment, "aaa", verdict="fail"): "verdict is 'fail'",
         parity_run(client, experiment, "aaa", status="RUNNING"): "did not finish (status RUNNING)",
     }
+    promote = MlflowTracker(uri, "history").store().promote
     for run_id, reason in refusals.items():
         with pytest.raises(ValueError, match=re.escape(reason)):
-            promote(client, run_id)
+            promote(run_id)
         if "verdict" not in reason:
             with pytest.raises(ValueError, match=re.escape(reason)):
-                promote(client, run_id, force=True)  # only a verdict can be forced
+                promote(run_id, force=True)  # only a verdict can be forced
     failing = next(r for r, why in refusals.items() if "fail" in why)
-    assert promote(client, failing, force=True) == []
+    assert promote(failing, force=True) == []
     good = parity_run(client, experiment, "aaa")
-    assert promote(client, good) == [failing]
+    assert promote(good) == [failing]
     assert client.get_run(failing).data.tags["paritylab.baseline"] == "superseded"
     killed = next(r for r, why in refusals.items() if "KILLED" in why)
     result = subprocess.run(

@@ -143,7 +143,8 @@ def test_regression_rule_is_a_factor_plus_a_floor():
 def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     import socket
 
-    from paritylab.sink.sweep import close_stale_runs, process_start
+    from paritylab.sink.processes import process_start
+    from paritylab.sink.tracking import MlflowTracker
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'stale.db'}")
     experiment = client.create_experiment("stale")
@@ -156,7 +157,8 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     # the pid of a dead run now held by another process (this one, started at another time): gone too
     reused = client.create_run(experiment, tags={**me, "paritylab.process_start": "12"})
     trend = client.create_run(experiment, tags={"paritylab.trend": "true"})
-    assert sorted(close_stale_runs(client, experiment)) == sorted([orphan.info.run_id, reused.info.run_id])
+    closed = MlflowTracker(f"sqlite:///{tmp_path / 'stale.db'}", "stale").store().close_stale_runs()
+    assert sorted(closed) == sorted([orphan.info.run_id, reused.info.run_id])
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
     assert client.get_run(reused.info.run_id).info.status == "KILLED"
     assert client.get_run(alive.info.run_id).info.status == "RUNNING"

@@ -51,8 +51,10 @@ from paritylab.run.resident import available_memory, model_bytes, offload, relea
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
-from paritylab.sink.publish import RUN_UID, RunRecord, publish, upload_tensors
-from paritylab.sink.sweep import close_stale, process_start, sweep_state
+from paritylab.sink.processes import process_start
+from paritylab.sink.publish import RunRecord, publish, upload_tensors
+from paritylab.sink.store import RUN_UID
+from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import (
     Metric,
     MlflowTracker,
@@ -291,11 +293,12 @@ class _Session:
         choice = str(self.cfg.compare.alignment or "baseline")
         if choice not in ("baseline", "fresh"):
             return Path(resolve_path(choice))
-        tracker = self.tracker
-        if choice == "fresh" or not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
+        store = self.tracker.store()
+        if choice == "fresh" or store is None or self.tracker.run_id is None:
             return None
         try:
-            found = baseline_alignment(tracker, self.record.tags[FINGERPRINT], self.directory / "baseline")
+            fingerprint = self.record.tags[FINGERPRINT]
+            found = baseline_alignment(store, fingerprint, self.tracker.run_id, self.directory / "baseline")
         except TrackingError as failure:
             self.notes.append(f"alignment: aligned anew (the baseline's could not be read: {failure})")
             return None
@@ -525,7 +528,7 @@ class _Session:
             tracker.log_params(self.record.params)
             self.tracker = tracker
             if not self.sweep:  # a sweep closes them once, before its jobs start
-                stale = close_stale(tracker)
+                stale = tracker.store().close_stale_runs()
                 if stale:
                     self.echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
         except TrackingError as error:

@@ -19,7 +19,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paritylab.sink.store import Store, StoredRun
 
 PAIR = "paritylab.pair"
 FINGERPRINT = "paritylab.fingerprint"
@@ -124,40 +127,27 @@ def assess(
     return result
 
 
-def find_baseline(client: Any, experiment_id: str, fingerprint: str, exclude: str | None) -> Any | None:
-    """The golden run of this pair, else its newest finished run that was judged (pass or fail) and holds
-    per-layer metrics (never ``exclude``, never a trend, killed or errored run)."""
-    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
-    for condition, judged in (
-        (f" and tags.`{BASELINE}` = 'golden'", False),
-        (" and attributes.status = 'FINISHED'", True),
-    ):
-        runs = client.search_runs(
-            [experiment_id], filter_string=scope + condition, order_by=["attributes.start_time DESC"], max_results=20
-        )
-        for run in runs:
-            if run.info.run_id == exclude or run.data.tags.get(TREND) == "true":
-                continue
-            if judged and (
-                run.data.tags.get("paritylab.verdict") not in ("pass", "fail") or not layer_errors(run.data.metrics)
-            ):
-                continue
-            return run
-    return None
+def usable_baseline(run: StoredRun, exclude: str | None, judged: bool) -> bool:
+    """Whether ``run`` can be a baseline: never ``exclude`` (the run itself) or a trend run; a run found by
+    status (``judged``) must also have been judged (pass or fail) and hold per-layer metrics, so a killed or
+    errored run is never one."""
+    if run.run_id == exclude or run.tags.get(TREND) == "true":
+        return False
+    return not judged or (run.tags.get("paritylab.verdict") in ("pass", "fail") and bool(layer_errors(run.metrics)))
 
 
-def promotable(run: Any) -> tuple[str | None, bool]:
+def promotable(run: StoredRun) -> tuple[str | None, bool]:
     """Why ``run`` cannot be a baseline (None when it can), and whether ``--force`` may override that: a
     trend run, a run that did not finish or one with no per-layer metrics is never a baseline; a finished
     run whose verdict is not pass can be forced."""
-    tags = run.data.tags
+    tags = run.tags
     if tags.get(TREND) == "true":
         return "it is a trend run, not a parity run", False
     if not tags.get(PAIR) or not tags.get(FINGERPRINT):
         return f"it is not a paritylab parity run (no {PAIR} / {FINGERPRINT} tags)", False
-    if run.info.status != "FINISHED":
-        return f"it did not finish (status {run.info.status})", False
-    if not layer_errors(run.data.metrics):
+    if run.status != "FINISHED":
+        return f"it did not finish (status {run.status})", False
+    if not layer_errors(run.metrics):
         return "it has no per-layer metrics to compare against", False
     verdict = tags.get("paritylab.verdict", "none")
     if verdict != "pass":
@@ -165,65 +155,10 @@ def promotable(run: Any) -> tuple[str | None, bool]:
     return None, False
 
 
-def promote(client: Any, run_id: str, force: bool = False) -> list[str]:
-    """Make ``run_id`` the golden baseline of its pair; returns the runs it supersedes. Refuses a run that
-    cannot be a meaningful baseline (see :func:`promotable`); ``force`` overrides only a verdict."""
-    run = client.get_run(run_id)
-    refused, forceable = promotable(run)
-    if refused and not (force and forceable):
-        hint = "; pass --force to promote it anyway" if forceable else ""
-        raise ValueError(f"run {run_id} cannot be a baseline: {refused}{hint}")
-    fingerprint = run.data.tags[FINGERPRINT]
-    scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}' and tags.`{BASELINE}` = 'golden'"
-    previous = [r.info.run_id for r in client.search_runs([run.info.experiment_id], filter_string=scope)]
-    for other in previous:
-        if other != run_id:
-            client.set_tag(other, BASELINE, "superseded")
-    client.set_tag(run_id, BASELINE, "golden")
-    return [other for other in previous if other != run_id]
-
-
-def trend_run(client: Any, experiment_id: str, fingerprint: str, name: str, tags: Mapping[str, str]) -> str:
-    """The long-lived run that charts this pair's per-layer divergence over scheduled runs (one per pair
-    fingerprint; ``name`` carries the pair, seed and inputs)."""
-    scope = f"tags.`{TREND}` = 'true' and tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
-    found = client.search_runs([experiment_id], filter_string=scope, max_results=1)
-    if found:
-        return found[0].info.run_id
-    run = client.create_run(experiment_id, run_name=name, tags={**tags, TREND: "true", FINGERPRINT: fingerprint})
-    client.set_terminated(run.info.run_id, "FINISHED")  # finished runs still take metrics; never "stale"
-    return run.info.run_id
-
-
-def next_trend_step(client: Any, run_id: str) -> int:
-    run = client.get_run(run_id)
-    step = int(run.data.tags.get("paritylab.trend_steps", "0")) + 1
-    client.set_tag(run_id, "paritylab.trend_steps", str(step))
-    return step
-
-
-def _quote(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("'", "\\'")
-
-
-def baseline_alignment(tracker: Any, fingerprint: str, directory: Path) -> tuple[str, Path] | None:
-    """The baseline run of the pair and its ``report/alignment.yaml``, downloaded into ``directory``; ``None``
-    when the pair has no baseline yet. ``tracker``: a :class:`~paritylab.sink.tracking.MlflowTracker`."""
-    experiment = tracker.ensure_experiment()
-    baseline = tracker.call("find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id)
+def baseline_alignment(store: Store, fingerprint: str, exclude: str | None, directory: Path) -> tuple[str, Path] | None:
+    """The pair's baseline run and its ``report/alignment.yaml``, downloaded into ``directory``; ``None`` when the
+    pair has no baseline yet."""
+    baseline = store.find_baseline(fingerprint, exclude)
     if baseline is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
-    run_id = baseline.info.run_id
-    path = tracker.call(
-        "download the baseline's alignment", tracker.client.download_artifacts, run_id, "report/alignment.yaml",
-        str(directory),
-    )  # fmt: skip
-    return run_id, Path(path)
-
-
-def promote_run(tracker: Any, run_id: str, force: bool = False) -> list[str]:
-    """:func:`promote` through a tracker (``MlflowTracker``): the run is read first, so a wrong id is one line.
-    A refusal is a ``ValueError`` naming the reason."""
-    tracker.call("read the run", tracker.client.get_run, run_id)
-    return list(promote(tracker.client, run_id, force))
+    return baseline.run_id, store.download(baseline.run_id, "report/alignment.yaml", directory)

@@ -17,22 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.reports.plots import trend_heatmap
-from paritylab.sink.history import (
-    FINGERPRINT,
-    Regression,
-    assess,
-    find_baseline,
-    layer_errors,
-    next_trend_step,
-    trend_run,
-)
+from paritylab.sink.history import FINGERPRINT, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
+from paritylab.sink.store import RUN_UID, Store
 from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, log10_for_charts, metric_key
 from paritylab.tracing.tracefile import WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
-RUN_UID = "paritylab.run_uid"
-"""A run directory's identity in MLflow: an upload finds the run a live run already made (and finishes it)."""
 PUBLISHED = "paritylab.published"
 """Set once every metric, tag and file of the run is in MLflow: uploading again then does nothing."""
 
@@ -79,8 +70,9 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     the pair's baseline and, for scheduled runs, the trend point (MLflow stores only); then metrics (batched),
     the comparison table, final tags, every file of the run, and the final status. Returns the regression."""
     regression = None
-    if isinstance(tracker, MlflowTracker) and FINGERPRINT in record.tags and record.metrics:
-        regression = _history(tracker, record, directory)
+    store = tracker.store()
+    if store is not None and tracker.run_id is not None and FINGERPRINT in record.tags and record.metrics:
+        regression = _history(store, tracker.run_id, record, directory)
         verdict = record.tags.get("paritylab.verdict", "")
         record.log_tensors = upload_tensors(record.log_tensors_mode, verdict, bool(regression.regressed))
         record.save(directory)  # published again (an upload after a failure), the same history is not redone
@@ -102,36 +94,35 @@ def upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
     return verdict != "pass" or bool(regressed)
 
 
-def _history(tracker: MlflowTracker, record: RunRecord, directory: Path) -> Regression:
+def _history(store: Store, run_id: str, record: RunRecord, directory: Path) -> Regression:
     """Each layer against the pair's baseline (tags and ``regression/*`` metrics), and on a scheduled run the
     pair's trend point (once per run: the record remembers it)."""
     fingerprint = record.tags[FINGERPRINT]
     if "paritylab.regression" in record.tags:  # computed when this record was published before
         return Regression.from_tags(record.tags)
-    experiment = tracker.ensure_experiment()
-    baseline = tracker.call("find the baseline", find_baseline, tracker.client, experiment, fingerprint, tracker.run_id)
-    before = layer_errors(baseline.data.metrics) if baseline is not None else None
+    baseline = store.find_baseline(fingerprint, exclude=run_id)
+    before = layer_errors(baseline.metrics) if baseline is not None else None
     current = layer_errors({m.key: m.value for m in record.metrics})
     regression = assess(current, before, record.regression_factor, record.regression_floor)
     if baseline is not None:
-        regression.baseline_run_id = baseline.info.run_id
+        regression.baseline_run_id = baseline.run_id
     record.metrics += [
         Metric(f"regression/{layer}/ratio", ratio) for layer, ratio in regression.ratios.items() if math.isfinite(ratio)
     ]
     if record.trend and "paritylab.trend_step" not in record.tags:
-        _trend_point(tracker, record, directory, experiment, fingerprint)
+        _trend_point(store, record, directory, fingerprint)
     record.tags.update(regression.tags())
     return regression
 
 
-def _trend_point(tracker: MlflowTracker, record: RunRecord, directory: Path, experiment: str, fingerprint: str) -> None:
+def _trend_point(store: Store, record: RunRecord, directory: Path, fingerprint: str) -> None:
     """One point per layer on the pair's trend run, stamped with the run's own start (MLflow's time axis reads
     as dates), in log10 under one chart section (``nightly/log10_rel_l2/<layer>``); and the layer × night
     heatmap, refreshed."""
     name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
     tags = {k: record.tags[k] for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")}
-    trend = tracker.call("open the trend run", trend_run, tracker.client, experiment, fingerprint, name, tags)
-    step = tracker.call("count", next_trend_step, tracker.client, trend)
+    trend = store.trend_run(fingerprint, name, tags)
+    step = store.next_trend_step(trend)
     points = [Metric(m.key, m.value, step, record.start_ms) for m in record.metrics if _trend_metric(m.key)]
     points += [
         Metric(
@@ -140,18 +131,19 @@ def _trend_point(tracker: MlflowTracker, record: RunRecord, directory: Path, exp
         for m in points
         if m.key.startswith("layer/") and (log := log10_for_charts(m.value)) is not None
     ]
-    tracker.log_metrics_to(trend, points)
+    store.log_metrics_to(trend, points)
     record.tags.update({"paritylab.trend_run": trend, "paritylab.trend_step": str(step)})
     record.save(directory)  # logged: published again after a failure, this point is not added twice
-    histories = {}
-    for key in (m.key for m in points if m.key.startswith("layer/")):
-        history = tracker.call("read the trend", tracker.client.get_metric_history, trend, metric_key(key))
-        histories[_layer(key)] = [(p.timestamp, p.value) for p in history]
+    histories = {
+        _layer(key): store.metric_history(trend, metric_key(key))
+        for key in (m.key for m in points)
+        if key.startswith("layer/")
+    }
     if histories:
         path = directory / "report" / "trend_heatmap.svg"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {record.run_name}"))
-        tracker.call("upload the trend heatmap", tracker.client.log_artifact, trend, str(path))
+        store.log_artifact_to(trend, path)
 
 
 def _layer(key: str) -> str:
@@ -197,12 +189,13 @@ def upload(directory: Path, uri: str | None = None, experiment: str | None = Non
     check_directory(directory, "run")  # nothing from outside the run directory is ever uploaded
     record = RunRecord.load(directory)
     tracker = MlflowTracker(uri or record.uri, experiment or record.experiment)
-    existing = tracker.call("find the run", _existing_run, tracker, record.tags.get(RUN_UID))
-    if existing is not None and existing.data.tags.get(PUBLISHED) == "true":
-        return existing.info.run_id, True
+    uid = record.tags.get(RUN_UID)
+    existing = tracker.store().find_run(uid) if uid else None
+    if existing is not None and existing.tags.get(PUBLISHED) == "true":
+        return existing.run_id, True
     tags = {**record.tags, "paritylab.uploaded_from": str(directory.resolve())}
     if existing is not None:
-        tracker.run_id = existing.info.run_id  # the orphan of the live run: finish it
+        tracker.run_id = existing.run_id  # the orphan of the live run: finish it
     else:
         tracker.start(record.run_name, tags)
         tracker.log_params(record.params)
@@ -214,11 +207,3 @@ def upload(directory: Path, uri: str | None = None, experiment: str | None = Non
             tracker.end("KILLED" if isinstance(failure, KeyboardInterrupt) else "FAILED")
         raise  # the run is not marked published: the next upload finds it by its id tag and finishes it
     return tracker.run_id, False
-
-
-def _existing_run(tracker: MlflowTracker, uid: str | None) -> Any | None:
-    if not uid:
-        return None
-    experiment = tracker.ensure_experiment()
-    found = tracker.client.search_runs([experiment], filter_string=f"tags.`{RUN_UID}` = '{uid}'", max_results=1)
-    return found[0] if found else None

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,6 @@ from paritylab.tracing.tracefile import write_json
 
 STATE_FILE = "paritylab_sweep.json"
 ENVIRONMENT = "PARITYLAB_SWEEP_DIR"
-STALE_AFTER = 24 * 3600
-"""Runs of other hosts left RUNNING this long are considered dead."""
 
 _current: Path | None = None
 
@@ -59,9 +55,9 @@ def _open_parent(tracking: DictConfig, overrides: list[str]) -> dict[str, Any]:
 
     try:
         tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
-        experiment = tracker.ensure_experiment()
-        killed = tracker.call("close stale runs", close_stale_runs, tracker.client, experiment)
-        number = tracker.call("number the sweep", _next_sweep_number, tracker.client, experiment)
+        store = tracker.store()
+        killed = store.close_stale_runs()
+        number = store.next_sweep_number()
         tags = {
             "paritylab.sweep": "true",
             "paritylab.sweep_number": str(number),
@@ -170,66 +166,5 @@ def _experiment_of(state: dict[str, Any]) -> str:
     return str(state.get("experiment") or "paritylab")
 
 
-def close_stale_runs(client: Any, experiment_id: str) -> list[str]:
-    """Mark KILLED the runs left RUNNING by processes that are gone. A run is identified by host, pid and
-    the process's start time: on this host, a dead pid, or a pid now held by another process (started at
-    another time) is gone; on another host, only age can tell."""
-    host = socket.gethostname()
-    killed = []
-    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
-        tags = run.data.tags
-        if tags.get("paritylab.trend") == "true":
-            continue
-        same_host = tags.get("paritylab.host") == host
-        pid = int(tags.get("paritylab.pid", "0") or 0)
-        age = time.time() - run.info.start_time / 1000
-        if (same_host and pid and not _same_process(pid, tags.get("paritylab.process_start"))) or (
-            not same_host and age > STALE_AFTER
-        ):
-            client.set_terminated(run.info.run_id, "KILLED")
-            killed.append(run.info.run_id)
-    return killed
-
-
-def process_start(pid: int) -> str | None:
-    """When process ``pid`` started, as a token that differs between two processes that held the same pid
-    (Linux: field 22 of ``/proc/PID/stat``, clock ticks since boot); None where it cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return fields[19] if len(fields) > 19 else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _same_process(pid: int, started: str | None) -> bool:
-    if not _alive(pid):
-        return False
-    now = process_start(pid)
-    return started is None or now is None or now == started
-
-
-def _next_sweep_number(client: Any, experiment_id: str) -> int:
-    experiment = client.get_experiment(experiment_id)
-    number = int(experiment.tags.get("paritylab.sweeps", "0")) + 1
-    client.set_experiment_tag(experiment_id, "paritylab.sweeps", str(number))
-    return number
-
-
 def _write(directory: Path, state: dict[str, Any]) -> None:
     write_json(directory / STATE_FILE, state, indent=1)
-
-
-def close_stale(tracker: Any) -> list[str]:
-    """:func:`close_stale_runs` in the tracker's experiment (``tracker``: an ``MlflowTracker``)."""
-    return list(tracker.call("close stale runs", close_stale_runs, tracker.client, tracker.ensure_experiment()))

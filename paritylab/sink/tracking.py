@@ -11,7 +11,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paritylab.sink.store import Store
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 MAX_KEY = 250
@@ -101,6 +104,10 @@ class Tracker:
     def link(self) -> str:
         return ""
 
+    def store(self) -> Store | None:
+        """The store behind this tracker (baselines, trend runs, stale runs); ``None``: no store, no history."""
+        return None
+
 
 class MlflowTracker(Tracker):
     def __init__(self, uri: str | None, experiment: str, timeout: float = 10.0, retries: int = 1) -> None:
@@ -117,6 +124,11 @@ class MlflowTracker(Tracker):
         self.run_id: str | None = None
         self._artifact_roots: dict[str, Path | None] = {}
         """Per run, its local artifact directory (``None``: not on this machine's file system)."""
+
+    def store(self) -> Store:
+        from paritylab.sink.store import MlflowStore
+
+        return MlflowStore(self)
 
     def call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         """``function(*args)``, with MLflow's failures as one-line :class:`TrackingError`."""
