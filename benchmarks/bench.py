@@ -184,7 +184,7 @@ def comparison_throughput(model: torch.nn.Module, inputs: dict[str, torch.Tensor
 
 def logging_time(report: Any) -> dict[str, float]:
     """Seconds to log every metric of a llava-bench comparison to a fresh default (SQLite) store."""
-    from paritylab.run.runner import report_metrics
+    from paritylab.sink.dashboard import report_metrics
     from paritylab.sink.tracking import MlflowTracker
 
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-log-"))

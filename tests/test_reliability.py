@@ -586,11 +586,11 @@ def test_odd_module_names_get_safe_files_valid_keys_and_escaped_html(tmp_path):
 
 
 def test_metric_key_map_is_written_for_renamed_keys(tmp_path):
-    from paritylab.run.runner import _write_key_map
+    from paritylab.sink.dashboard import write_key_map
     from paritylab.sink.tracking import Metric
 
     names = ["layer/blocks.ü.0/rel_l2", "layer/a<b/rel_l2", "layer/a>b/rel_l2"]
-    _write_key_map(tmp_path, [*(Metric(name, 1.0) for name in names), Metric("layer/blocks.0/rel_l2", 1.0)])
+    write_key_map(tmp_path, [*(Metric(name, 1.0) for name in names), Metric("layer/blocks.0/rel_l2", 1.0)])
     key_map = json.loads((tmp_path / "metric_keys.json").read_text())
     assert key_map == {metric_key(name): name for name in names} and len(key_map) == 3  # every entry kept
 

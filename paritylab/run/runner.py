@@ -8,15 +8,9 @@ KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an err
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import platform
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -30,10 +24,11 @@ from torch import nn
 from paritylab.comparison.alignment import Rule, load_rules
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
-from paritylab.reports.plots import LAYER, layer_rows, write_plots
+from paritylab.reports.plots import write_plots
 from paritylab.reports.render import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
+from paritylab.run.identity import run_name, run_tags
 from paritylab.run.inputs import build_inputs
 from paritylab.run.parity import (
     EXIT_ERROR,
@@ -49,11 +44,10 @@ from paritylab.run.parity import (
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
-from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment, pair_fingerprint
+from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
+from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
-from paritylab.sink.processes import process_start
 from paritylab.sink.publish import RunRecord, publish, upload_tensors
-from paritylab.sink.store import RUN_UID
 from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import (
     Metric,
@@ -61,8 +55,6 @@ from paritylab.sink.tracking import (
     Tracker,
     TrackingError,
     flatten,
-    log10_for_charts,
-    metric_key,
 )
 from paritylab.tracing.tracefile import Trace, display_path, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer
@@ -207,7 +199,7 @@ class _Session:
             "candidate": str(self.cfg.candidate.name),
             "status": status,
             "exit_code": code,
-            "verdict": _verdict(report, status),
+            "verdict": run_verdict(report, status),
             "first_divergence": report.summary()["first_divergence"] if report is not None else None,
             "regression": self.regression.verdict if self.regression else None,
             "regressed_layers": self.regression.regressed if self.regression else [],
@@ -511,7 +503,7 @@ class _Session:
             run_name=run_name(self.cfg, _hydra_overrides()),
             experiment=str(tracking.experiment),
             uri=tracking.uri,
-            tags=self._tags(),
+            tags=run_tags(self.cfg, self.device, self.directory, self.start_ms, self.sweep),
             params={k: str(v) for k, v in flatten(OmegaConf.to_container(self.cfg, resolve=True)).items()},
             log_tensors=str(tracking.log_tensors) != "never",
             log_tensors_mode=str(tracking.log_tensors),
@@ -535,56 +527,8 @@ class _Session:
             self.tracking_error = str(error)
             self.echo(f"paritylab: {error}; continuing without tracking")
 
-    def _tags(self) -> dict[str, str]:
-        from importlib.metadata import PackageNotFoundError, version
-
-        from paritylab import __version__
-
-        try:
-            transformers_version = version("transformers")  # read from metadata: importing it takes seconds
-        except PackageNotFoundError:
-            transformers_version = "not installed"
-
-        resolved: dict[str, Any] = OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[assignment]
-        tags = {
-            "paritylab.model": str(self.cfg.model.name),
-            "paritylab.candidate": str(self.cfg.candidate.name),
-            "paritylab.verdict": "running",
-            "paritylab.first_divergence": "none",
-            "paritylab.inputs_seed": str(self.cfg.inputs.seed),
-            "paritylab.version": __version__,
-            "paritylab.torch_version": torch.__version__,
-            "paritylab.transformers_version": transformers_version,
-            "paritylab.python_version": platform.python_version(),
-            "paritylab.device": str(self.device),
-            "paritylab.dtype": str(self.cfg.dtype),
-            "paritylab.output_dir": str(self.directory),
-            "paritylab.pair": f"{self.cfg.model.name}/{self.cfg.candidate.name}",
-            "paritylab.inputs": f"{self.cfg.inputs.kind} seed {self.cfg.inputs.seed}",
-            FINGERPRINT: pair_fingerprint(resolved),
-            "paritylab.host": socket.gethostname(),
-            "paritylab.pid": str(os.getpid()),
-            "paritylab.process_start": process_start(os.getpid()) or "unknown",
-            "paritylab.start_ms": str(self.start_ms),
-            RUN_UID: uuid.uuid4().hex,
-            "mlflow.user": _user(),
-            "mlflow.source.name": _source_name(),
-            "mlflow.source.type": "LOCAL",
-        }
-        if self.sweep:
-            tags["paritylab.sweep_number"] = str(self.sweep.get("number", ""))
-        commit = _git_commit(Path(__file__).parent)
-        if commit:
-            tags["paritylab.git_commit"] = commit
-        code = _candidate_code(self.cfg)
-        candidate_commit = _git_commit(code) if code is not None else None
-        if candidate_commit:  # the candidate's own code, when it lives in a git repository
-            tags["mlflow.source.git.commit"] = candidate_commit
-            tags["paritylab.candidate_commit"] = candidate_commit
-        return tags
-
     def _finish_tracking(self, status: str, error: str | None) -> None:
-        verdict = _verdict(self.report, status)
+        verdict = run_verdict(self.report, status)
         record = self.record
         record.status = status
         record.tags.update(final_tags(self.report, verdict, error, self.notes))
@@ -596,7 +540,7 @@ class _Session:
                 Metric(f"seconds/{phase.replace(' ', '_')}", value) for phase, value in self.timings.items()
             ]
             record.table = rows_table(self.report)
-            _write_key_map(self.directory, record.metrics)
+            write_key_map(self.directory, record.metrics)
         record.log_tensors = upload_tensors(record.log_tensors_mode, verdict, None)
         record.save(self.directory)
         if self.tracker.run_id is None:
@@ -622,65 +566,12 @@ class _Session:
         )
 
 
-def run_name(cfg: DictConfig, overrides: list[str]) -> str:
-    """``model/candidate`` plus what varies: the input seed and every other command-line override (Hydra's
-    ``override_dirname``), each as its last key and value (``scale=1.05``; the full overrides are the tag
-    ``paritylab.overrides``), so runs of a sweep tell themselves apart in the runs list."""
-    skip = ("model=", "candidate=", "inputs.seed=", "tracking.", "hydra.", "output_dir=")
-    extra = []
-    for item in overrides:
-        key, _, value = item.lstrip("+~").partition("=")
-        if item.lstrip("+~").startswith(skip):
-            continue
-        if key.endswith("_target_"):
-            key, value = "build", value.rsplit(".", 1)[-1]
-        extra.append(f"{key.rsplit('.', 1)[-1]}={value}")
-    name = f"{cfg.model.name}/{cfg.candidate.name} seed={cfg.inputs.seed}"
-    return f"{name} {' '.join(extra)}"[:250] if extra else name
-
-
 def _hydra_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return []
     return [str(item) for item in HydraConfig.get().overrides.task]
-
-
-def _user() -> str:
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (OSError, KeyError):
-        return "unknown"
-
-
-def _source_name() -> str:
-    """The command as run (``python -m paritylab`` or the console script), for MLflow's source column."""
-    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "paritylab"
-    return "python -m paritylab" if program in ("__main__.py", "-m", "-c") else program
-
-
-def _candidate_code(cfg: DictConfig) -> Path | None:
-    """The directory of the candidate's own code (its build target's module), when it is a file on disk."""
-    import importlib.util
-
-    target = OmegaConf.select(cfg, "candidate.build._target_") or OmegaConf.select(
-        cfg, f"candidate.ports.{cfg.model.name}.build._target_"
-    )
-    if not isinstance(target, str) or "." not in target:
-        return None
-    module = target.rsplit(".", 1)[0]
-    while module:
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None and spec.origin and spec.origin not in ("built-in", "frozen"):
-            return Path(spec.origin).parent
-        module = module.rsplit(".", 1)[0] if "." in module else ""
-    return None
 
 
 def process_age() -> float | None:
@@ -691,113 +582,6 @@ def process_age() -> float | None:
         return max(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 0.0)
     except (OSError, ValueError, IndexError):
         return None
-
-
-def final_tags(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> dict[str, str]:
-    """Verdict, first divergence, origins and the markdown description."""
-    first = report.first_divergence.path if report is not None and report.first_divergence else None
-    decode = (report.decode or {}).get("summary", {}) if report is not None else {}
-    if first is None and decode.get("first_divergence"):
-        first = decode["first_divergence"]  # step<n>/<module>: the forward agrees, a decode step does not
-    tags = {"paritylab.verdict": verdict, "paritylab.first_divergence": first if first is not None else "none"}
-    if decode:
-        for key in ("first_failing_step", "first_token_mismatch"):
-            tags[f"paritylab.decode.{key}"] = "none" if decode.get(key) is None else str(decode[key])
-    if report is not None and report.culprit_reason:
-        tags["paritylab.culprit_reason"] = report.culprit_reason
-    if report is not None and report.drilldown:
-        tags["paritylab.first_operation"] = str(report.drilldown.get("operation"))[:500]
-    elif decode.get("first_operation"):
-        tags["paritylab.first_operation"] = f"step{decode['first_failing_step']}/{decode['first_operation']}"[:500]
-    tags["mlflow.note.content"] = _description(report, verdict, error, notes)
-    if report is not None:
-        tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
-    return tags
-
-
-def report_metrics(report: Report) -> list[Metric]:
-    """Per-module divergence (step = execution order, the root left out), divergence against depth (step =
-    layer index, one series per tower, in log10 so MLflow's linear axes read well), per-layer keys (a layer
-    that produced NaN/Inf where the reference did not logs Inf), and summary metrics."""
-    metrics: list[Metric] = []
-    for row in report.rows:
-        if not row.path:
-            continue  # the whole model: its error is every module's, and drawn at step 0 it hides where it starts
-        for name in ("rel_l2", "max_abs", "mean_abs", "cosine", "sqnr_db", "frac_outside"):
-            _add(metrics, f"divergence/{name}", row.metrics.get(name), row.index)
-        _add(metrics, "divergence/local_rel_l2", row.local.get("local_rel_l2"), row.index)
-        if LAYER.match(row.path):
-            nonfinite = row.metrics.get("nan_mismatch") or row.metrics.get("inf_mismatch")
-            if nonfinite:
-                metrics.append(Metric(f"layer/{row.path}/rel_l2", math.inf, 0))
-            else:
-                _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
-            _add(metrics, f"layer/{row.path}/max_abs", row.metrics.get("max_abs"), 0)
-            _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
-    for tower, rows in layer_rows(report).items():
-        for number, row in rows:
-            _add(metrics, f"depth/{tower}/log10_rel_l2", log10_for_charts(row.rel_l2), number)
-            _add(metrics, f"depth/{tower}/log10_own_rel_l2", log10_for_charts(row.local.get("local_rel_l2")), number)
-            cosine = row.metrics.get("cosine")
-            _add(
-                metrics,
-                f"depth/{tower}/log10_1_minus_cosine",
-                log10_for_charts(None if cosine is None else 1 - cosine),
-                number,
-            )
-    summary = report.summary()
-    _add(metrics, "summary/output_rel_l2", summary["output_rel_l2"], 0)
-    _add(metrics, "summary/output_max_abs", summary["output_max_abs"], 0)
-    _add(metrics, "summary/worst_rel_l2", summary["worst_rel_l2"], 0)
-    first = summary["first_divergence_index"]
-    _add(metrics, "summary/first_divergence_index", -1 if first is None else first, 0)
-    _add(metrics, "summary/failing_modules", summary["failed"], 0)
-    if report.decode:  # per decode step: step = the decode step
-        for step in report.decode["steps"]:
-            for name in ("token_agreement", "kl", "top_k_overlap", "max_abs", "output_rel_l2"):
-                _add(metrics, f"decode/{name}", step.get(name), int(step["step"]))
-            if step.get("output_rel_l2"):
-                _add(
-                    metrics,
-                    "decode/log10_output_rel_l2",
-                    math.log10(max(step["output_rel_l2"], 1e-300)),
-                    int(step["step"]),
-                )
-        failing = report.decode["summary"]["first_failing_step"]
-        _add(metrics, "summary/decode_first_failing_step", -1 if failing is None else failing, 0)
-    _add(metrics, "summary/passing_modules", summary["passed"], 0)
-    _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
-    _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)
-    return metrics
-
-
-def _add(metrics: list[Metric], key: str, value: float | None, step: int) -> None:
-    if value is not None and math.isfinite(float(value)):
-        metrics.append(Metric(key, float(value), step))
-
-
-def _verdict(report: Report | None, status: str) -> str:
-    if status != "FINISHED" or report is None or report.errors:
-        return "error"
-    return report.verdict
-
-
-def _description(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> str:
-    lines = [f"### paritylab: **{verdict}**", ""]
-    if error:
-        lines += [f"Error: `{error[:500]}`", ""]
-    if report is not None:
-        lines += [to_markdown(report, limit=40), ""]
-    lines += [f"- {note}" for note in notes]
-    return "\n".join(lines)
-
-
-def _write_key_map(directory: Path, metrics: list[Metric]) -> None:
-    """``metric_keys.json``: MLflow key -> module path, for every key that had to be made safe."""
-
-    renamed = {metric_key(m.key): m.key for m in metrics if metric_key(m.key) != m.key}
-    if renamed:
-        write_json(directory / "metric_keys.json", renamed, indent=1)
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:
@@ -830,11 +614,3 @@ def _hydra_dir() -> str | None:
 
 def _default_dir(cfg: DictConfig) -> Path:
     return Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{cfg.model.name}-{cfg.candidate.name}"
-
-
-def _git_commit(directory: Path) -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=directory)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout.strip() or None if result.returncode == 0 else None
