@@ -74,6 +74,43 @@ def test_synthetic_inputs_follow_the_forward_text_and_vision_only():
     assert torch.equal(text["attention_mask"], torch.ones(2, 5, dtype=torch.long))
 
 
+def test_synthetic_inputs_for_audio_models_raw_waveform_and_features(tmp_path):
+    """Audio: raw audio for a wav2vec2-style forward, log-mel features sized by the config for a Whisper-style
+    encoder; read from the forward alone, and a planted bug in the audio pair is named through the pipeline."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model, WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from paritylab.run.parity import check
+    from tests.helpers import planted
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+    )  # fmt: skip
+    reference, candidate = Wav2Vec2Model(config).eval(), Wav2Vec2Model(config).eval()
+    candidate.load_state_dict(reference.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    waveform = synthetic_inputs(reference, 2, 5, generator)
+    assert list(waveform) == ["input_values"] and waveform["input_values"].shape == (2, 2000)
+    spec = infer_call(reference, waveform, "model", None, None, [])
+    assert spec.describe() == "forward(input_values=input_values)"
+    plant = "encoder.layers.1.feed_forward.output_dense"
+    with planted(candidate, plant, scale=1.01):
+        result = check(reference, candidate, tmp_path, reference_call=spec.bind(waveform))
+    assert result.verdict == "fail" and result.report.first_divergence.path == plant
+    whisper = WhisperConfig(
+        d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=8,
+        max_source_positions=6, vocab_size=64, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    encoder = WhisperEncoder(whisper).eval()
+    features = synthetic_inputs(encoder, 2, 5, generator)
+    assert list(features) == ["input_features"] and features["input_features"].shape == (2, 8, 12)
+    out = infer_call(encoder, features, "model", None, None, []).bind(features)(encoder)
+    assert out.last_hidden_state.shape == (2, 6, 16)
+
+
 def _run(tmp_path: Path, *overrides: str, candidates: dict[str, str] | None = None):
     """Run in process; ``candidates`` are user candidate configs (name -> ``_target_``) in a --config-dir."""
     uri = migrated_store(tmp_path / "mlflow.db")
