@@ -62,3 +62,29 @@ def test_only_the_tracker_and_the_store_talk_to_mlflow():
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             found += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {n}" for n in names if n.startswith("mlflow")]
     assert found == []
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    """What the package imports (at any depth) is what ``pyproject.toml`` declares, by distribution name."""
+    import re
+    import sys
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = {
+        re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower().replace("_", "-") for spec in project["dependencies"]
+    }
+    distributions = packages_distributions()
+    missing = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for top in {name.split(".")[0] for name in names if name}:
+                if top == "paritylab" or top in sys.stdlib_module_names:
+                    continue
+                owners = {owner.lower().replace("_", "-") for owner in distributions.get(top, [top])}
+                if not owners & declared:
+                    missing.add(f"{path.relative_to(PACKAGE)} imports {top} ({', '.join(sorted(owners))})")
+    assert sorted(missing) == []

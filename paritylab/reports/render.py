@@ -91,10 +91,7 @@ def to_console(report: Report, limit: int | None = 60) -> str:
         keep = {row.index for row in rows if row.diverged or row.verdict == "fail"}
         keep |= {row.index for row in rows[:5]}
         rows = [row for row in rows if row.index in keep][:limit]
-    table = [list(_COLUMNS)] + [_cells(row) for row in rows]
-    widths = [min(max(len(r[i]) for r in table), 60) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell[:60].ljust(width) for cell, width in zip(r, widths, strict=True)) for r in table]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = [_table([_cells(row) for row in rows])]
     unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
     lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
     lines.append(headline(report))
@@ -103,6 +100,27 @@ def to_console(report: Report, limit: int | None = 60) -> str:
         lines.append(inside)
     lines.extend(decode_lines(report))
     return "\n".join(lines)
+
+
+def _table(cells: list[list[str]]) -> str:
+    """The rows as a plain-text table (rich; cells are text, never markup: module names come from user code)."""
+    import io
+
+    from rich.box import Box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    rule_under_header = Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)  # ASCII: any terminal
+    table = Table(*_COLUMNS, box=rule_under_header, pad_edge=False, show_edge=False, header_style="")
+    for column in table.columns:
+        column.no_wrap, column.overflow, column.max_width = True, "ellipsis", 60
+    for row in cells:
+        table.add_row(*(Text(cell) for cell in row))
+    console = Console(file=io.StringIO(), width=400, color_system=None, force_terminal=False, highlight=False)
+    console.print(table)
+    text: str = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def decode_lines(report: Report) -> list[str]:
