@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import platform
 import sys
 import time
@@ -46,7 +47,11 @@ class TraceOptions:
     save_tensors: bool = False
     max_bytes: int | None = None
     shard_bytes: int = DEFAULT_SHARD_BYTES
-    pending_bytes: int = DEFAULT_PENDING_BYTES
+    pending_bytes: int | None = None
+    """Bytes that may wait for a background writer thread; 0 writes each tensor before the forward goes on.
+    ``None`` chooses: a background writer when the forward leaves the CPU cores idle (a model on an accelerator,
+    or fewer compute threads than cores), else synchronous writes (with every core computing, a writer thread
+    only competes: llava-bench on 2 cores took 1.69x a plain forward with it, 1.51x without)."""
     save_dtype: torch.dtype | None = None
     grad: bool = False
     capture: Iterable[CaptureSpec] | str | None = "auto"
@@ -128,7 +133,7 @@ class Tracer:
                 self.directory,
                 max_bytes=self.options.max_bytes,
                 shard_bytes=self.options.shard_bytes,
-                pending_bytes=self.options.pending_bytes,
+                pending_bytes=_pending_bytes(self.options.pending_bytes, self.model),
                 save_dtype=self.options.save_dtype,
                 metadata=self._provenance(),
                 journal=True,
@@ -472,6 +477,18 @@ def _returns_its_input(
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 """Holders of modules that are never called themselves: not hooked, never reported as missing."""
+
+
+def _pending_bytes(chosen: int | None, model: nn.Module) -> int:
+    """``TraceOptions.pending_bytes``, or when ``None`` the choice it describes."""
+    if chosen is not None:
+        return chosen
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    on_cpu = _model_device(model) == "cpu"
+    return DEFAULT_PENDING_BYTES if not on_cpu or torch.get_num_threads() < cores else 0
 
 
 def _is_compiled(model: nn.Module) -> bool:
