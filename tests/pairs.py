@@ -151,6 +151,72 @@ def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     return PairCase("neox/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
+def opt(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers OPTForCausalLM (positions embedded with an offset of 2, the MLP's ``fc1``/``fc2`` directly in
+    each layer on hidden states flattened to ``[batch * sequence, width]``) against TransformerLens."""
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.opt import convert_opt_weights
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        hidden_size=64, num_hidden_layers=layers, ffn_dim=256, num_attention_heads=4, vocab_size=256,
+        max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=True, activation_function="relu",
+    )  # fmt: skip
+    reference = _seeded_reference(OPTForCausalLM, config)
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64, act_fn="relu",
+        normalization_type="LN", default_prepend_bos=False, dtype=dtype, original_architecture="OPTForCausalLM",
+        eps=1e-5,
+    )  # fmt: skip
+    candidate = transformer_lens_model(tl_config, convert_opt_weights(reference, tl_config))
+    ids = _ids(256)
+    sites = {
+        "embed": ("model.decoder.embed_tokens",),
+        "pos_embed": ("model.decoder.embed_positions",),  # the table without its 2 offset rows: no counterpart
+        "ln_final": ("model.decoder.final_layer_norm",),
+        "unembed": ("lm_head",),
+    }
+    for i in range(layers):  # TransformerLens' mlp is fc1, the activation and fc2 together: no one counterpart
+        theirs = f"model.decoder.layers.{i}"
+        sites |= {
+            f"blocks.{i}.ln1": (f"{theirs}.self_attn_layer_norm",),
+            f"blocks.{i}.attn": (f"{theirs}.self_attn",),
+            f"blocks.{i}.ln2": (f"{theirs}.final_layer_norm",),
+        }
+    return PairCase(
+        "opt/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
+        unpaired=("pos_embed",),
+    )  # fmt: skip
+
+
+def gptj(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers GPTJForCausalLM (attention and MLP in parallel from one norm, rotary on interleaved pairs of
+    a part of each head) against TransformerLens."""
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.gptj import convert_gptj_weights
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(
+        n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=64, rotary_dim=8, n_inner=256,
+        activation_function="gelu_new",
+    )  # fmt: skip
+    reference = _seeded_reference(GPTJForCausalLM, config)
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64, act_fn="gelu_new",
+        normalization_type="LN", positional_embedding_type="rotary", rotary_dim=8, rotary_adjacent_pairs=True,
+        parallel_attn_mlp=True, default_prepend_bos=False, dtype=dtype, original_architecture="GPTJForCausalLM",
+        eps=1e-5,
+    )  # fmt: skip
+    candidate = transformer_lens_model(tl_config, convert_gptj_weights(reference, tl_config))
+    ids = _ids(256)
+    sites = {"embed": ("transformer.wte",), "ln_final": ("transformer.ln_f",), "unembed": ("lm_head",)}
+    for i in range(layers):
+        theirs = f"transformer.h.{i}"
+        sites |= {f"blocks.{i}.ln1": (f"{theirs}.ln_1",), f"blocks.{i}.attn": (f"{theirs}.attn",)}
+        sites |= {f"blocks.{i}.mlp": (f"{theirs}.mlp",)}
+    return PairCase("gptj/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
 def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
     """transformers LlavaForConditionalGeneration against our from-scratch port (positional forward)."""
     from experiments.llava_port import from_reference
@@ -289,6 +355,8 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "gpt2": gpt2,
     "llama": llama,
     "neox": neox,
+    "opt": opt,
+    "gptj": gptj,
     "vit": vit_monai,
     "llava": llava_port,
 }

@@ -447,9 +447,15 @@ def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) ->
 
 
 def _fits(ref: CallRecord, cand: CallRecord) -> bool:
-    """Output shapes equal, or equal but for dimensions one side kept at 1 (broadcast)."""
+    """Output shapes that hold the same values (see :func:`shapes_fit`)."""
     a, b = _shape(ref), _shape(cand)
-    return a is not None and b is not None and (a == b or broadcastable(a, b))
+    return a is not None and b is not None and shapes_fit(a, b)
+
+
+def shapes_fit(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Equal, equal but for dimensions one side kept at 1 (:func:`broadcastable`), or equal but for leading
+    dimensions one side merged (:func:`merged`)."""
+    return list(a) == list(b) or broadcastable(a, b) or merged(a, b)
 
 
 def broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -457,11 +463,28 @@ def broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
     return len(a) == len(b) and all(x == y or x == 1 or y == 1 for x, y in zip(a, b, strict=True))
 
 
+def merged(a: Sequence[int], b: Sequence[int]) -> bool:
+    """The same values in the same order, one side with consecutive leading dimensions merged: ``[24, 64]``
+    against ``[2, 12, 64]`` (an implementation that flattens batch and sequence before its MLP)."""
+    if len(a) == len(b) or not a or not b or a[-1] != b[-1]:
+        return False
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    position = 0
+    for size in shorter[:-1]:
+        product = 1
+        while position < len(longer) - 1 and (product < size or longer[position] == 1):
+            product *= longer[position]
+            position += 1
+        if product != size:
+            return False
+    return all(size == 1 for size in longer[position:-1])
+
+
 def _within_group(ref: _Features, cand: _Features) -> float:
     """Among modules holding the same weights: output shapes that fit needed; structure breaks ties."""
     if ref.shape is None or cand.shape is None:
         return 0.0
-    if ref.shape != cand.shape and not broadcastable(ref.shape, cand.shape):
+    if not shapes_fit(ref.shape, cand.shape):
         return 0.0
     if ref.numbers and cand.numbers and ref.numbers[-1] != cand.numbers[-1]:
         return 0.0
@@ -481,10 +504,11 @@ def _by_parts(
     cand_paths = {call.path for j, call in enumerate(cand_calls) if j not in taken}
     cand_index = _axis_index(cand_prints, cand_paths)
     cand_by_key = {call.key: j for j, call in enumerate(cand_calls) if j not in taken}
+    cand_widths = _widths(cand_calls[j] for j in cand_by_key.values())
     found: list[tuple[int, int, Pair]] = []
     for i in open_ref:
         call = ref_calls[i]
-        located = _locate(ref_prints.get(call.path), _shape(call), cand_index, cand_prints)
+        located = _locate(ref_prints.get(call.path), _shape(call), cand_index, cand_prints, cand_widths)
         if located is None:
             continue
         path, part = located
@@ -495,11 +519,12 @@ def _by_parts(
     ref_paths = {ref_calls[i].path for i in open_ref}
     ref_index = _axis_index(ref_prints, ref_paths)
     ref_by_key = {ref_calls[i].key: i for i in open_ref}
+    ref_widths = _widths(ref_calls[i] for i in open_ref)
     paired = {i for i, _, _ in found}
     for j, call in enumerate(cand_calls):
         if j in taken:
             continue
-        located = _locate(cand_prints.get(call.path), _shape(call), ref_index, ref_prints)
+        located = _locate(cand_prints.get(call.path), _shape(call), ref_index, ref_prints, ref_widths)
         if located is None:
             continue
         path, part = located
@@ -528,10 +553,27 @@ def _axis_index(prints: dict[str, ModulePrint], paths: set[str]) -> _AxisIndex:
     return index
 
 
+def _widths(calls: Iterable[CallRecord]) -> dict[str, set[int]]:
+    """Module path -> the sizes of its outputs' last dimension."""
+    widths: dict[str, set[int]] = {}
+    for call in calls:
+        shape = _shape(call)
+        if shape:
+            widths.setdefault(call.path, set()).add(shape[-1])
+    return widths
+
+
 def _locate(
-    item: ModulePrint | None, shape: tuple[int, ...] | None, index: _AxisIndex, prints: dict[str, ModulePrint]
+    item: ModulePrint | None,
+    shape: tuple[int, ...] | None,
+    index: _AxisIndex,
+    prints: dict[str, ModulePrint],
+    widths: Mapping[str, set[int]],
 ) -> tuple[str, Part] | None:
-    """Where the output features of ``item`` (a module with a 2-D weight) sit in a fused module's output."""
+    """Where the output features of ``item`` (a module with a 2-D weight) sit in a fused module's output.
+    The fused weight's axis must be its module's output features too (``widths``: a ``Linear``'s rows are;
+    an ``Embedding``'s rows are table entries, and a table holding another's entries plus more, such as
+    positions with an offset, computes the same features, not a part of them)."""
     if item is None or not shape:
         return None
     for param in item.params:
@@ -546,6 +588,8 @@ def _locate(
                 other = next(p for p in prints[path].params if p.name == name)
                 if path == item.path or len(positions) != len(hashes) or len(positions) == other.shape[axis]:
                     continue  # not a strict part (equal weights are paired by fingerprint)
+                if other.shape[axis] not in widths.get(path, ()):
+                    continue  # that axis is not what the fused module outputs
                 return path, _part_of(positions)
     return None
 
@@ -714,6 +758,8 @@ class _Features:
     """The module's parameter fingerprint, when it holds parameters and the trace carries fingerprints."""
     inner: frozenset[int] = frozenset()
     """The fingerprints of its descendants that hold parameters."""
+    numel: int = 0
+    """How many parameter values its subtree holds (with :attr:`weights`)."""
 
     @classmethod
     def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
@@ -728,14 +774,19 @@ class _Features:
             depth=call.depth,
             weights=item.digest if item is not None and item.numel else None,
             inner=inner,
+            numel=item.numel if item is not None else 0,
         )
 
     def contradicts(self, other: _Features) -> bool:
-        """The weights rule the pair out: they differ, and one side's weights are exactly those of a part of
-        the other (a wrapper around what the other computes plus more, such as a patch projection against a
-        patch embedding that also adds position embeddings)."""
+        """The weights rule the pair out: they differ, and either they are not even as many values (a
+        projection against a norm of the same output shape: a wrong weight conversion keeps the count, a
+        different module does not), or one side's weights are exactly those of a part of the other (a wrapper
+        around what the other computes plus more, such as a patch projection against a patch embedding that
+        also adds position embeddings)."""
         if self.weights is None or other.weights is None or self.weights == other.weights:
             return False
+        if self.numel != other.numel:
+            return True
         return self.weights in other.inner or other.weights in self.inner
 
     def similarity(self, other: _Features) -> float:
@@ -743,7 +794,9 @@ class _Features:
         evidence, in (0, 1]. Modules of the same shape in the same place in the order pair on shape and
         position alone, unless both hold parameters that differ: then names must agree too (a weight
         conversion bug still pairs with its namesake, a different computation does not)."""
-        if self.shape is None or self.shape != other.shape:
+        if self.shape is None or other.shape is None:
+            return 0.0
+        if self.shape != other.shape and not merged(self.shape, other.shape):
             return 0.0
         if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
             return 0.0

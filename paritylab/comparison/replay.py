@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, primary_slot
+from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, merged, primary_slot
 from paritylab.comparison.metrics import Tolerances, systematic_z
 from paritylab.comparison.report import (
     Report,
@@ -29,6 +29,7 @@ from paritylab.comparison.report import (
     producer_row,
     relative_error,
     slot_value,
+    unmatched_feeding,
 )
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
@@ -160,17 +161,19 @@ def _swap(tensor: torch.Tensor, replacement: _Replacement) -> torch.Tensor:
     if replacement.cut is None:
         if new.shape != tensor.shape and broadcastable(list(new.shape), list(tensor.shape)):
             new = new.expand(torch.broadcast_shapes(new.shape, tensor.shape))  # a size-1 dimension one side kept
+        elif merged(list(new.shape), list(tensor.shape)):
+            new = new.reshape(tensor.shape)  # one side merged its leading dimensions
         return new if new.shape == tensor.shape else tensor
     cut = replacement.cut
     if cut.select(tensor).shape != new.shape:
         return tensor
-    merged = tensor.clone()
+    combined = tensor.clone()
     if cut.indices is not None:
-        merged[..., list(cut.indices)] = new
+        combined[..., list(cut.indices)] = new
     else:
         start, stop = cut.bounds(tensor.shape[-1])
-        merged[..., start:stop] = new
-    return merged
+        combined[..., start:stop] = new
+    return combined
 
 
 def attach_replay(
@@ -281,6 +284,12 @@ def _unreplaced_source(row: Row, by_index: Mapping[int, Row], reference: Trace) 
     if producer is not None and producer.status == "unmatched":
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
+    source = unmatched_feeding(row, by_index, reference)
+    if source is not None:
+        parent_row = by_index.get(row.parent) if row.parent is not None else None
+        parent_path = parent_row.path if parent_row is not None else ""
+        note = f"no counterpart; only {parent_path or '<root>'}'s own code uses its output, and the value it gives"
+        return source, note + f" {where} diverges while every paired module before it was given the reference's values"
     parent = by_index.get(row.parent) if row.parent is not None else None
     if parent is None:
         return None

@@ -21,7 +21,17 @@ from typing import Any
 
 import torch
 
-from paritylab.comparison.alignment import Alignment, Pair, Part, Rule, align, broadcastable, primary_slot
+from paritylab.comparison.alignment import (
+    Alignment,
+    Pair,
+    Part,
+    Rule,
+    align,
+    broadcastable,
+    merged,
+    primary_slot,
+    shapes_fit,
+)
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
@@ -388,17 +398,13 @@ def _dataflow_slots(
     if found is not None:
         return ref_slot, found
     ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
-    if ref_node is not None and cand_node is not None and _shapes_fit(ref_node["shape"], cand_node["shape"]):
+    if ref_node is not None and cand_node is not None and shapes_fit(ref_node["shape"], cand_node["shape"]):
         return ref_slot, cand_slot
     for slot, _ in iter_tensors(ref_call.outputs, "outputs"):
         found = counterpart(slot)
         if found is not None:
             return slot, found
     return ref_slot, cand_slot
-
-
-def _shapes_fit(a: list[int], b: list[int]) -> bool:
-    return a == b or broadcastable(a, b)
 
 
 def _judge_once(
@@ -437,7 +443,8 @@ def _judge(
     ref_shape = _sliced_shape(ref_node["shape"], ref_slice)
     cand_shape = _sliced_shape(cand_node["shape"], cand_slice)
     broadcast = ref_shape != cand_shape and broadcastable(ref_shape, cand_shape)
-    if ref_shape != cand_shape and not broadcast:
+    flattened = merged(ref_shape, cand_shape)
+    if ref_shape != cand_shape and not (broadcast or flattened):
         note = f"shapes differ: {ref_shape} vs {cand_shape}"
         if _numel(ref_shape) == _numel(cand_shape):
             note += " (same number of elements: a layout difference?)"
@@ -447,8 +454,9 @@ def _judge(
         ref_value, cand_value = _cut(ref_value, ref_slice), _cut(cand_value, cand_slice)
         if broadcast:  # one side kept a size-1 dimension the other repeated (position embeddings)
             ref_value, cand_value = torch.broadcast_tensors(ref_value, cand_value)
-        metrics = divergence(ref_value, cand_value, tolerance)
+        metrics = divergence(ref_value, cand_value, tolerance)  # both flattened: merged leading dims compare as is
         note = f"broadcast {ref_shape} against {cand_shape}" if broadcast else ""
+        note = f"compared {ref_shape} as {cand_shape} (leading dimensions merged)" if flattened else note
         return "compared", "pass" if within(metrics) else "fail", metrics, note
     if ref_node.get("stats") and cand_node.get("stats") and ref_slice is None and cand_slice is None:
         metrics = stats_divergence(ref_node["stats"], cand_node["stats"])
@@ -547,6 +555,20 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
             producer.note = f"{producer.note}; {finding}" if producer.note else finding
             if producer not in starts:
                 starts.append(producer)
+    for row in rows:  # the first child given a diverging value by its parent's own code
+        if not (row.diverged and row.input_known and row.input_diverged) or any(s.index < row.index for s in starts):
+            continue
+        source = unmatched_feeding(row, by_index, reference)
+        if source is not None:
+            source.diverged = True
+            finding = (
+                f"no counterpart; only {by_index[row.parent].path or '<root>'}'s own code uses its output, and the "  # type: ignore[index]
+                f"value it gives {row.path} diverges while everything paired before agrees (the error is in this "
+                "module or in that code)"
+            )
+            source.note = f"{source.note}; {finding}" if source.note else finding
+            starts.append(source)
+        break
     if not starts:
         starts = [row for row in rows if row.diverged and not row.input_known]
     has_start_below = {index for row in starts for index in ancestors(row, by_index)}
@@ -561,6 +583,36 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
         else:
             row.cause = "inherited"
     return sorted(origins, key=lambda row: row.index)
+
+
+def unmatched_feeding(row: Row, by_index: Mapping[int, Row], reference: Trace) -> Row | None:
+    """Where a value computed in ``row``'s parent's own code (produced by no call) came from, when a module with
+    no counterpart ran in that parent just before ``row`` and no call received its output directly: only the
+    parent's code used it (OPT's offset position table, added to the token embeddings). Every sibling paired
+    before ``row`` must agree. The error is in that module or in the code that uses its output; the module is
+    the smaller answer."""
+    if row.parent is None or producer_row(dict(by_index), reference, row) is not None:
+        return None
+    siblings = [other for other in by_index.values() if other.parent == row.parent and other.index < row.index]
+    if any(other.diverged and other.status != "unmatched" for other in siblings):
+        return None
+    received = _received(reference)
+    unmatched = [other for other in siblings if other.status == "unmatched" and other.index not in received]
+    return max(unmatched, key=lambda other: other.index) if unmatched else None
+
+
+def _received(reference: Trace) -> set[int]:
+    """The calls whose outputs some call received as an input (data flow)."""
+    found = reference.__dict__.get("_received")
+    if found is None:
+        found = {
+            node["from"]
+            for call in reference.calls
+            for _, node in iter_tensors(call.inputs, "inputs")
+            if isinstance(node.get("from"), int)
+        }
+        reference.__dict__["_received"] = found
+    return set(found)
 
 
 def ancestors(row: Row, by_index: Mapping[int, Row]) -> Iterator[int]:
