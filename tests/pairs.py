@@ -176,12 +176,13 @@ def opt(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         "ln_final": ("model.decoder.final_layer_norm",),
         "unembed": ("lm_head",),
     }
-    for i in range(layers):  # TransformerLens' mlp is fc1, the activation and fc2 together: no one counterpart
+    for i in range(layers):  # TransformerLens' mlp holds the weights of fc1 and fc2, which sit in the layer
         theirs = f"model.decoder.layers.{i}"
         sites |= {
             f"blocks.{i}.ln1": (f"{theirs}.self_attn_layer_norm",),
             f"blocks.{i}.attn": (f"{theirs}.self_attn",),
             f"blocks.{i}.ln2": (f"{theirs}.final_layer_norm",),
+            f"blocks.{i}.mlp": (f"{theirs}.fc2",),
         }
     return PairCase(
         "opt/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
@@ -215,6 +216,46 @@ def gptj(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         sites |= {f"blocks.{i}.ln1": (f"{theirs}.ln_1",), f"blocks.{i}.attn": (f"{theirs}.attn",)}
         sites |= {f"blocks.{i}.mlp": (f"{theirs}.mlp",)}
     return PairCase("gptj/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
+def bert(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers BertForPreTraining (an encoder: bidirectional, norms after the residual additions, its
+    attention's output projection and norm in a module beside the attention proper) against TransformerLens'
+    ``HookedEncoder``, whose ``attn`` holds the weights of BERT's query, key, value and output projection."""
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.bert import convert_bert_weights
+    from transformers import BertConfig, BertForPreTraining
+
+    config = BertConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=256, vocab_size=256,
+        max_position_embeddings=64, hidden_act="gelu",
+    )  # fmt: skip
+    reference = _seeded_reference(BertForPreTraining, config)
+    tl_config = HookedTransformerConfig(
+        n_layers=layers, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=256, n_ctx=64, act_fn="gelu",
+        normalization_type="LN", attention_dir="bidirectional", original_architecture="BertForMaskedLM",
+        dtype=dtype, eps=1e-12,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        candidate = HookedEncoder(tl_config, move_to_device=False)
+    candidate.load_state_dict(convert_bert_weights(reference, tl_config), strict=False)
+    candidate = candidate.eval().to(dtype)
+    ids = _ids(256)
+    sites = {
+        "embed.embed": ("bert.embeddings.word_embeddings",),
+        "embed.ln": ("bert.embeddings.LayerNorm",),
+        "mlm_head.ln": ("cls.predictions.transform.LayerNorm",),
+        "unembed": ("cls.predictions.decoder",),
+    }
+    for i in range(layers):
+        theirs = f"bert.encoder.layer.{i}"
+        sites |= {
+            f"blocks.{i}.attn": (f"{theirs}.attention.output.dense",),  # its output, before BERT's norm
+            f"blocks.{i}.ln1": (f"{theirs}.attention.output.LayerNorm",),
+            f"blocks.{i}.mlp": (f"{theirs}.output.dense",),
+            f"blocks.{i}.ln2": (f"{theirs}.output.LayerNorm",),
+        }
+    return PairCase("bert/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
 def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
@@ -357,6 +398,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "neox": neox,
     "opt": opt,
     "gptj": gptj,
+    "bert": bert,
     "vit": vit_monai,
     "llava": llava_port,
 }

@@ -45,7 +45,7 @@ def test_clean_pair_passes_with_zero_rules(name, dtype, tmp_path):
         held = any(True for _ in case.candidate.get_submodule(candidate_path).parameters())
         if held and candidate_path not in case.unpaired:
             pair = next(p for p in pairs.values() if p.candidate == f"{candidate_path}#0")
-            assert pair.source in ("structure", "identity"), (candidate_path, pair.source)
+            assert pair.source in ("structure", "identity", "run"), (candidate_path, pair.source)
 
 
 @pytest.mark.parametrize("name", PAIR_NAMES)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.comparison.patterns import compile_pattern, fill
-from paritylab.tracing.structure import ModulePrint, inner_digests, prints_from_meta, restrict_to_called
+from paritylab.tracing.structure import MASK, ModulePrint, inner_digests, prints_from_meta, restrict_to_called
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
@@ -195,7 +195,8 @@ class Pair:
     reference: str
     candidate: str
     source: str
-    """``rule``, ``identity`` or ``auto``."""
+    """``rule``, ``identity``, ``structure`` (equal weights), ``run`` (one side's weights are those of a run of
+    modules on the other, paired with the run's last: outputs compare, inputs do not) or ``auto``."""
     score: float = 1.0
     reference_index: Index = None
     candidate_index: Index = None
@@ -292,6 +293,9 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     open_ref = [i for i in open_ref if i not in fixed]
     if structured:
         for i, j, pair in _by_parts(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints):
+            fix(i, j, pair)
+        open_ref = [i for i in open_ref if i not in fixed]
+        for i, j, pair in _by_runs(ref_calls, cand_calls, open_ref, taken, ref_prints, cand_prints):
             fix(i, j, pair)
     anchors = _monotone_chain(sorted((r, c) for r, (c, _) in fixed.items()))
     skip_ref = set(fixed) | folded_ref | {i for i, call in enumerate(ref_calls) if call.key in ignored}
@@ -533,6 +537,79 @@ def _by_parts(
             continue
         paired.add(found_at)
         found.append((found_at, j, Pair(ref_calls[found_at].key, call.key, "structure", 1.0, reference_part=part)))
+    return found
+
+
+def _by_runs(
+    ref_calls: list[CallRecord],
+    cand_calls: list[CallRecord],
+    open_ref: list[int],
+    taken: set[int],
+    ref_prints: dict[str, ModulePrint],
+    cand_prints: dict[str, ModulePrint],
+) -> list[tuple[int, int, Pair]]:
+    """A module whose weights are exactly those of a run of consecutive modules on the other side (in call
+    order), and the last module of that run: what its output is. TransformerLens' ``mlp`` holds the weights of
+    OPT's ``fc1`` and ``fc2``, which sit directly in the layer; its ``attn`` those of BERT's query, key, value
+    and output projection, whose output BERT normalises inside another module. The last module computes the
+    same output, so the two are paired; a run is at least two modules long, with as many values in total."""
+    open_set, found = set(open_ref), []
+    free_cand = {j for j in range(len(cand_calls)) if j not in taken}
+    for i, j in _runs(ref_calls, cand_calls, ref_prints, cand_prints, open_set, free_cand):
+        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0)))
+    paired_ref, paired_cand = {i for i, _, _ in found}, {j for _, j, _ in found}
+    for j, i in _runs(cand_calls, ref_calls, cand_prints, ref_prints, free_cand - paired_cand, open_set - paired_ref):
+        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0)))
+    return found
+
+
+MAX_RUN = 8
+"""Longest run of modules one module's weights may be spread over (query, key, value, output: 4)."""
+
+
+def _runs(
+    whole_calls: list[CallRecord],
+    run_calls: list[CallRecord],
+    whole_prints: dict[str, ModulePrint],
+    run_prints: dict[str, ModulePrint],
+    open_whole: set[int],
+    open_run: set[int],
+) -> list[tuple[int, int]]:
+    """(call of a module on the ``whole`` side, call of the last module of the run on the other side), for
+    open first calls of modules on the whole side that hold all their weights themselves. Every run of 2 to
+    :data:`MAX_RUN` consecutive weight-holding modules of one layer is summed once, so each module is one
+    lookup; a sum two different runs reach (freshly initialised norms all hold the same weights) is no
+    evidence."""
+    holders = []  # the run side's modules holding parameters directly, in the order of their first call
+    seen: set[str] = set()
+    for position, call in enumerate(run_calls):
+        item = run_prints.get(call.path)
+        if call.call_index == 0 and call.path not in seen and item is not None and item.params:
+            seen.add(call.path)
+            own = sum(param.digest for param in item.params) & MASK
+            size = sum(math.prod(param.shape) for param in item.params)
+            holders.append((position, own, size, _layer_numbers(call.path)))
+    windows: dict[tuple[int, int], int | None] = {}  # (digest, size) summed -> the run's last call (None: two runs)
+    for start in range(len(holders)):
+        digest = size = 0
+        for position, own, count, numbers in holders[start : start + MAX_RUN]:
+            if numbers != holders[start][3]:
+                break  # a run never crosses from one layer into the next
+            digest, size = (digest + own) & MASK, size + count
+            if position != holders[start][0]:
+                key = (digest, size)
+                windows[key] = position if windows.get(key, position) == position else None
+    found = []
+    for i in sorted(open_whole):
+        call = whole_calls[i]
+        item = whole_prints.get(call.path)
+        if call.call_index != 0 or item is None or not item.numel or not item.params:
+            continue
+        if sum(math.prod(param.shape) for param in item.params) != item.numel:
+            continue  # it holds modules that hold weights (a block): its output is more than its last part's
+        j = windows.get((item.digest, item.numel))
+        if j is not None and j in open_run and _fits(call, run_calls[j]):
+            found.append((i, j))
     return found
 
 

@@ -215,7 +215,8 @@ def attach_replay(
             systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
-        if diverged and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
+        comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
+        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
             blamed = _unreplaced_source(row, by_index, reference)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)

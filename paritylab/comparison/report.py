@@ -364,7 +364,12 @@ def _compare_pair(
         memo, reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
     )
     ref_in, cand_in = _primary_input(ref_call), _primary_input(cand_call)
-    if ref_in is not None and cand_in is not None and row.tolerance is not None:
+    if (
+        ref_in is not None
+        and cand_in is not None
+        and row.tolerance is not None
+        and pair.source != "run"  # paired with the last of a run of modules: its input is the run's first's
+    ):
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
             memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
         )
