@@ -195,6 +195,12 @@ def _rotary_base(model):
     attention.rotary_cos.copy_(cos)
 
 
+def _post_norm_eps(model):
+    """``_eps`` in a post-norm encoder (BERT). The module is named; the drill-down inside it is not checked: it
+    names TransformerLens' centring (``mean``, ``sub``) rather than the ``add`` of eps (see the README)."""
+    model.blocks[0].ln2.eps = 1e-2
+
+
 def _vit_eps(model):
     model.blocks[0].norm2.eps = 1e-2
 
@@ -224,6 +230,13 @@ CODE_BUGS = [
     ("neox", _rotary_base, "gpt_neox.layers.0.attention"),
     ("neox", _attention_scale, "gpt_neox.layers.1.attention"),
     ("neox", _missing_norm, "gpt_neox.layers.1.post_attention_layernorm"),
+    ("opt", _eps, "model.decoder.layers.0.final_layer_norm"),
+    ("opt", _attention_scale, "model.decoder.layers.1.self_attn"),
+    ("opt", _missing_norm, "model.decoder.layers.1.final_layer_norm"),
+    ("gptj", _gelu_variant, "transformer.h.0.mlp"),
+    ("gptj", _attention_scale, "transformer.h.1.attn"),
+    ("bert", _post_norm_eps, "bert.encoder.layer.0.output.LayerNorm"),
+    ("bert", _missing_norm, "bert.encoder.layer.1.output.LayerNorm"),
     ("vit", _vit_eps, "layers.0.layernorm_after"),
     ("vit", _vit_gelu_variant, "layers.0.mlp.activation_fn"),
     ("vit", _vit_attention_scale, "layers.1.attention"),

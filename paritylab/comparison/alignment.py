@@ -202,6 +202,10 @@ class Pair:
     candidate_index: Index = None
     reference_part: Part | None = None
     candidate_part: Part | None = None
+    reference_input: str | None = None
+    """For a ``run`` pair: the call whose input stands for the reference side's input (the run's first)."""
+    candidate_input: str | None = None
+    """The same on the candidate side."""
 
 
 @dataclass
@@ -555,11 +559,15 @@ def _by_runs(
     same output, so the two are paired; a run is at least two modules long, with as many values in total."""
     open_set, found = set(open_ref), []
     free_cand = {j for j in range(len(cand_calls)) if j not in taken}
-    for i, j in _runs(ref_calls, cand_calls, ref_prints, cand_prints, open_set, free_cand):
-        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0)))
+    for i, j, first in _runs(ref_calls, cand_calls, ref_prints, cand_prints, open_set, free_cand):
+        pair = Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0, candidate_input=cand_calls[first].key)
+        found.append((i, j, pair))
     paired_ref, paired_cand = {i for i, _, _ in found}, {j for _, j, _ in found}
-    for j, i in _runs(cand_calls, ref_calls, cand_prints, ref_prints, free_cand - paired_cand, open_set - paired_ref):
-        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0)))
+    for j, i, first in _runs(
+        cand_calls, ref_calls, cand_prints, ref_prints, free_cand - paired_cand, open_set - paired_ref
+    ):
+        pair = Pair(ref_calls[i].key, cand_calls[j].key, "run", 1.0, reference_input=ref_calls[first].key)
+        found.append((i, j, pair))
     return found
 
 
@@ -574,8 +582,8 @@ def _runs(
     run_prints: dict[str, ModulePrint],
     open_whole: set[int],
     open_run: set[int],
-) -> list[tuple[int, int]]:
-    """(call of a module on the ``whole`` side, call of the last module of the run on the other side), for
+) -> list[tuple[int, int, int]]:
+    """(call of a module on the ``whole`` side, calls of the last and first modules of the run on the other side), for
     open first calls of modules on the whole side that hold all their weights themselves. Every run of 2 to
     :data:`MAX_RUN` consecutive weight-holding modules of one layer is summed once, so each module is one
     lookup; a sum two different runs reach (freshly initialised norms all hold the same weights) is no
@@ -589,16 +597,17 @@ def _runs(
             own = sum(param.digest for param in item.params) & MASK
             size = sum(math.prod(param.shape) for param in item.params)
             holders.append((position, own, size, _layer_numbers(call.path)))
-    windows: dict[tuple[int, int], int | None] = {}  # (digest, size) summed -> the run's last call (None: two runs)
+    windows: dict[tuple[int, int], tuple[int, int] | None] = {}  # summed (digest, size) -> (first, last) call
     for start in range(len(holders)):
         digest = size = 0
+        first = holders[start][0]
         for position, own, count, numbers in holders[start : start + MAX_RUN]:
             if numbers != holders[start][3]:
                 break  # a run never crosses from one layer into the next
             digest, size = (digest + own) & MASK, size + count
-            if position != holders[start][0]:
-                key = (digest, size)
-                windows[key] = position if windows.get(key, position) == position else None
+            if position != first:
+                key, run = (digest, size), (first, position)
+                windows[key] = run if windows.get(key, run) == run else None  # None: two runs reach it
     found = []
     for i in sorted(open_whole):
         call = whole_calls[i]
@@ -607,9 +616,9 @@ def _runs(
             continue
         if sum(math.prod(param.shape) for param in item.params) != item.numel:
             continue  # it holds modules that hold weights (a block): its output is more than its last part's
-        j = windows.get((item.digest, item.numel))
-        if j is not None and j in open_run and _fits(call, run_calls[j]):
-            found.append((i, j))
+        spans = windows.get((item.digest, item.numel))
+        if spans is not None and spans[1] in open_run and _fits(call, run_calls[spans[1]]):
+            found.append((i, spans[1], spans[0]))
     return found
 
 

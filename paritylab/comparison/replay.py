@@ -216,7 +216,7 @@ def attach_replay(
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
-        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.index]):
+        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.input_call]):
             blamed = _unreplaced_source(row, by_index, reference)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)

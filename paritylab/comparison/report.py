@@ -87,6 +87,13 @@ class Row:
     note: str = ""
     local: dict[str, float] = field(default_factory=dict)
     """Isolated replay: ``local_rel_l2``, ``inherited_rel_l2``, ``amplification`` (when replay ran)."""
+    input_index: int | None = None
+    """The reference call whose input stands for this row's (a ``run`` pair: the run's first module), when
+    not the row's own call."""
+
+    @property
+    def input_call(self) -> int:
+        return self.index if self.input_index is None else self.input_index
 
     @property
     def rel_l2(self) -> float | None:
@@ -363,13 +370,12 @@ def _compare_pair(
     row.status, row.verdict, row.metrics, row.note = _judge_once(
         memo, reference, candidate, ref_node, cand_node, pair.reference_part, pair.candidate_part, row.tolerance
     )
-    ref_in, cand_in = _primary_input(ref_call), _primary_input(cand_call)
-    if (
-        ref_in is not None
-        and cand_in is not None
-        and row.tolerance is not None
-        and pair.source != "run"  # paired with the last of a run of modules: its input is the run's first's
-    ):
+    ref_input_call = reference.call(pair.reference_input) if pair.reference_input else ref_call
+    cand_input_call = candidate.call(pair.candidate_input) if pair.candidate_input else cand_call
+    if ref_input_call is not ref_call:  # paired with the last of a run of modules: the run's first's input
+        row.input_index = ref_input_call.index
+    ref_in, cand_in = _primary_input(ref_input_call), _primary_input(cand_input_call)
+    if ref_in is not None and cand_in is not None and row.tolerance is not None:
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
             memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
         )
@@ -511,7 +517,8 @@ def producer_row(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> R
     seen: set[int] = set()
     current = row
     while True:
-        node = _primary_input(reference.calls[current.index]) if current.index < len(reference.calls) else None
+        where = current.input_call
+        node = _primary_input(reference.calls[where]) if where < len(reference.calls) else None
         origin = node.get("from") if node else None
         if not isinstance(origin, int) or origin in seen or origin not in rows_by_index:
             return None
