@@ -27,6 +27,7 @@ from paritylab.comparison.report import (
     compare_traces,
     innermost,
     producer_row,
+    received_calls,
     relative_error,
     slot_value,
     unmatched_feeding,
@@ -202,6 +203,7 @@ def attach_replay(
     parts = {pair.reference: (pair.reference_part, pair.candidate_part) for pair in report.alignment.pairs}
     fed_wrong: dict[int, tuple[Row, str]] = {}
     by_index = {row.index: row for row in report.rows}
+    received = received_calls(reference)
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -217,7 +219,7 @@ def attach_replay(
         diverged = local.diverged if floor is None else reason is not None
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.input_call]):
-            blamed = _unreplaced_source(row, by_index, reference)
+            blamed = _unreplaced_source(row, by_index, reference, received)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
                 diverged, reason = False, None
@@ -277,7 +279,9 @@ def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None,
     return beyond_floor(local.input_metrics, floor, dtype) is not None
 
 
-def _unreplaced_source(row: Row, by_index: Mapping[int, Row], reference: Trace) -> tuple[Row, str] | None:
+def _unreplaced_source(
+    row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]
+) -> tuple[Row, str] | None:
     """Where a value the replay could not replace was made: the module with no counterpart that produced the
     row's input (data flow, through folded calls), else the parent's own code between its children."""
     where = row.path or "<root>"
@@ -285,7 +289,7 @@ def _unreplaced_source(row: Row, by_index: Mapping[int, Row], reference: Trace) 
     if producer is not None and producer.status == "unmatched":
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
-    source = unmatched_feeding(row, by_index, reference)
+    source = unmatched_feeding(row, by_index, reference, received)
     if source is not None:
         parent_row = by_index.get(row.parent) if row.parent is not None else None
         parent_path = parent_row.path if parent_row is not None else ""

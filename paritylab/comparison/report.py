@@ -570,7 +570,7 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
     for row in rows:  # the first child given a diverging value by its parent's own code
         if not (row.diverged and row.input_known and row.input_diverged) or any(s.index < row.index for s in starts):
             continue
-        source = unmatched_feeding(row, by_index, reference)
+        source = unmatched_feeding(row, by_index, reference, received_calls(reference))
         if source is not None:
             source.diverged = True
             finding = (
@@ -597,34 +597,29 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
     return sorted(origins, key=lambda row: row.index)
 
 
-def unmatched_feeding(row: Row, by_index: Mapping[int, Row], reference: Trace) -> Row | None:
+def unmatched_feeding(row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]) -> Row | None:
     """Where a value computed in ``row``'s parent's own code (produced by no call) came from, when a module with
     no counterpart ran in that parent just before ``row`` and no call received its output directly: only the
     parent's code used it (OPT's offset position table, added to the token embeddings). Every sibling paired
     before ``row`` must agree. The error is in that module or in the code that uses its output; the module is
-    the smaller answer."""
+    the smaller answer. ``received``: :func:`received_calls` of ``reference``."""
     if row.parent is None or producer_row(dict(by_index), reference, row) is not None:
         return None
     siblings = [other for other in by_index.values() if other.parent == row.parent and other.index < row.index]
     if any(other.diverged and other.status != "unmatched" for other in siblings):
         return None
-    received = _received(reference)
     unmatched = [other for other in siblings if other.status == "unmatched" and other.index not in received]
     return max(unmatched, key=lambda other: other.index) if unmatched else None
 
 
-def _received(reference: Trace) -> set[int]:
+def received_calls(reference: Trace) -> set[int]:
     """The calls whose outputs some call received as an input (data flow)."""
-    found = reference.__dict__.get("_received")
-    if found is None:
-        found = {
-            node["from"]
-            for call in reference.calls
-            for _, node in iter_tensors(call.inputs, "inputs")
-            if isinstance(node.get("from"), int)
-        }
-        reference.__dict__["_received"] = found
-    return set(found)
+    return {
+        node["from"]
+        for call in reference.calls
+        for _, node in iter_tensors(call.inputs, "inputs")
+        if isinstance(node.get("from"), int)
+    }
 
 
 def ancestors(row: Row, by_index: Mapping[int, Row]) -> Iterator[int]:
