@@ -34,7 +34,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     """Two jobs run in parallel (Hydra's joblib launcher), nested under one parent run on a real server."""
     result = sweep(
         tmp_path, mlflow_server, "nested", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama",
-        "candidate=bf16,sdpa",
+        "candidate=bf16,sdpa", "tracking.log_tensors=always", "tracking.keep_local=true",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     client = MlflowClient(mlflow_server)
@@ -46,7 +46,9 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
     assert (
         parent.info.status == "FINISHED"
-        and "| 0-candidate=bf16,compare.replay=False,model=llama | pass |" in parent.data.tags["mlflow.note.content"]
+        and "| 0-candidate=bf16,compare.replay=False,model=llama,tracking.keep_local=True,tracking.log_tensors=always"
+        " | pass |"
+        in parent.data.tags["mlflow.note.content"]
     )
     assert parent.data.metrics["sweep/jobs"] == 2 and parent.data.metrics["sweep/failed"] == 0
     assert "sweep_summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -56,6 +58,10 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     assert (
         len(tags["paritylab.fingerprint"]) == 12 and len({r.data.tags["paritylab.fingerprint"] for r in children}) == 2
     )
+    for child in children:  # tensors uploaded, and kept locally as asked
+        shards = [a for a in _artifacts(client, child.info.run_id, "candidate") if a.path.endswith(".safetensors")]
+        kept = list(Path(child.data.tags["paritylab.output_dir"], "candidate").glob("*.safetensors"))
+        assert shards and sorted(a.file_size for a in shards) == sorted(p.stat().st_size for p in kept)
     links = [json.loads(path.read_text())["link"] for path in (tmp_path / "sweep").glob("*/run.json")]
     assert len(links) == 2 and all(link.startswith(mlflow_server) and "/runs/" in link for link in links)  # real URLs
 
@@ -100,7 +106,20 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     assert tags["paritylab.regression"] == "regressed" and tags["paritylab.baseline_run"] == golden.info.run_id
     assert "model.language_model.layers.1" in tags["paritylab.regressed_layers"]
     assert newest.data.metrics["regression/model.language_model.layers.1/ratio"] > 2
-    assert any(a.path.endswith(".safetensors") for a in _artifacts(client, newest.info.run_id))  # regressed: kept
+    uploaded = {a.path: a.file_size for a in _artifacts(client, newest.info.run_id) if a.path.endswith(".safetensors")}
+    assert uploaded  # regressed: its tensors are uploaded ...
+    run_dir = Path(tags["paritylab.output_dir"])  # ... and the run directory's second copy is deleted
+    assert not list(run_dir.rglob("*.safetensors")) and (run_dir / "candidate" / "trace.json").is_file()
+    note = (run_dir / "candidate" / "TENSORS_UPLOADED.txt").read_text()
+    assert newest.info.run_id in note and "mlflow artifacts download" in note
+    from paritylab import Trace
+    from paritylab.comparison.report import compare_traces
+
+    stays = Trace.load(run_dir / "candidate")  # what stays loads with statistics only: even against itself ...
+    assert compare_traces(stays, stays).verdict == "inconclusive"  # ... never a plain PASS
+    fetched = Path(client.download_artifacts(newest.info.run_id, "candidate", str(tmp_path / "fetched")))
+    local = {f"candidate/{p.name}": p.stat().st_size for p in fetched.glob("*.safetensors")}
+    assert local and local.items() <= uploaded.items()  # whole in the store
     assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
     parent = client.get_run(newest.data.tags["mlflow.parentRunId"])
     assert parent.info.status == "FAILED"  # a night with a regression is a failed sweep

@@ -174,8 +174,11 @@ class TrackingConfig:
     retries: int = 1
     log_tensors: LogTensors = LogTensors.on_failure
     """Upload the traces' safetensors shards as artifacts: ``on_failure`` (a run that does not pass, or
-    regresses), ``always`` or ``never``. JSON, reports, statistics and plots are always uploaded; the shards
-    stay in the run directory either way."""
+    regresses), ``always`` or ``never``. JSON, reports, statistics and plots are always uploaded."""
+    keep_local: bool = False
+    """Keep the run directory's safetensors shards after they were uploaded. By default they are deleted once
+    the store's listing shows them whole (a note in the trace says where they are); a local artifact store
+    hard-links them instead, so either way one copy stays on disk. Shards that were not uploaded always stay."""
     regression_factor: float = 2.0
     """A layer regressed when its error grew by more than this factor over the baseline's ..."""
     regression_floor: float = 1e-6

@@ -511,6 +511,7 @@ class _Session:
             regression_floor=float(tracking.regression_floor),
             trend=bool(tracking.trend),
             start_ms=self.start_ms,
+            keep_local=bool(tracking.keep_local),
         )
         if not tracking.enabled:
             return

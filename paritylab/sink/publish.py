@@ -20,8 +20,8 @@ from paritylab.reports.plots import trend_heatmap
 from paritylab.sink.history import FINGERPRINT, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
 from paritylab.sink.store import RUN_UID, Store
-from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, log10_for_charts, metric_key
-from paritylab.tracing.tracefile import WITHHELD_FILE, check_directory, write_json
+from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, log10_for_charts, metric_key
+from paritylab.tracing.tracefile import UPLOADED_FILE, WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
 PUBLISHED = "paritylab.published"
@@ -48,6 +48,8 @@ class RunRecord:
     trend: bool = False
     """A scheduled run: it adds a point to the pair's trend run."""
     start_ms: int | None = None
+    keep_local: bool = False
+    """``tracking.keep_local``: keep the run directory's shards once the store holds a verified copy of them."""
 
     def save(self, directory: Path) -> Path:
         path = directory / RECORD_FILE
@@ -80,9 +82,11 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     if record.table is not None:
         tracker.log_table(record.table, "comparison_table.json")
     tracker.set_tags(record.tags)
-    log_directory(tracker, directory, record.log_tensors)
+    copied = log_directory(tracker, directory, record.log_tensors)
     tracker.set_tags({PUBLISHED: "true"})
     tracker.end(record.status)
+    if not record.keep_local:
+        drop_local_copies(tracker, directory, copied)
     return regression
 
 
@@ -154,10 +158,12 @@ def _trend_metric(key: str) -> bool:
     return (key.startswith("layer/") and key.endswith("/rel_l2")) or key.startswith("summary/")
 
 
-def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> None:
+def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -> list[Path]:
     """Upload every file of the run directory, keeping its layout (safetensors shards only with ``log_tensors``;
-    without them each trace gets a note saying where they are, and loads with statistics only)."""
+    without them each trace gets a note saying where they are, and loads with statistics only). Returns the
+    files the store now holds a copy of (a local artifact store hard-links them instead: one copy on disk)."""
     withheld: set[Path] = set()
+    copied: list[Path] = []
     for path in sorted(directory.rglob("*")):
         if not path.is_file():
             continue
@@ -165,9 +171,10 @@ def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -
             withheld.add(path.parent)
             continue
         parent = path.parent.relative_to(directory).as_posix()
-        tracker.log_artifact(path, None if parent == "." else parent)
+        if tracker.log_artifact(path, None if parent == "." else parent):
+            copied.append(path)
     if not withheld:
-        return
+        return copied
     with tempfile.TemporaryDirectory(prefix="paritylab-note-") as scratch:
         note = Path(scratch) / WITHHELD_FILE
         note.write_text(
@@ -179,6 +186,43 @@ def log_directory(tracker: Tracker, directory: Path, log_tensors: bool = True) -
         for folder in sorted(withheld):
             parent = folder.relative_to(directory).as_posix()
             tracker.log_artifact(note, None if parent == "." else parent)
+    return copied
+
+
+def drop_local_copies(tracker: Tracker, directory: Path, copied: list[Path]) -> list[Path]:
+    """Once the store holds the run's safetensors shards (their sizes checked against the store's listing),
+    delete the run directory's second copy, the bulk of a run's bytes, and leave a note in each trace saying
+    where the values are (the trace then loads with statistics only). Reports, JSON and statistics stay: they
+    are small and what one opens locally. A shard the store cannot vouch for is kept; so is everything when
+    the listing fails. Returns the deleted files."""
+    folders: dict[Path, list[Path]] = {}
+    for path in copied:
+        if path.suffix == ".safetensors":
+            folders.setdefault(path.parent, []).append(path)
+    dropped: list[Path] = []
+    for folder, shards in sorted(folders.items()):
+        parent = folder.relative_to(directory).as_posix()
+        artifact_path = None if parent == "." else parent
+        try:
+            stored = tracker.artifact_sizes(artifact_path)
+        except TrackingError:
+            continue  # unverified: the local copy is the only one we can vouch for
+        verified = [path for path in shards if stored.get(path.name) == path.stat().st_size]
+        if not verified:
+            continue
+        (folder / UPLOADED_FILE).write_text(
+            f"The safetensors shards of this trace ({', '.join(p.name for p in verified)}) were uploaded to\n"
+            f"MLflow run {tracker.run_id} at {tracker.uri}, artifact path {artifact_path or '.'}, and deleted\n"
+            "here (tracking.keep_local=false). Fetch them with:\n"
+            f"  mlflow artifacts download --run-id {tracker.run_id} --artifact-path {artifact_path or '.'} "
+            "--dst-path <dir>\n"
+            "Until then this trace loads with statistics only.\n",
+            encoding="utf-8",
+        )
+        for path in verified:
+            path.unlink()
+            dropped.append(path)
+    return dropped
 
 
 def upload(directory: Path, uri: str | None = None, experiment: str | None = None) -> tuple[str | None, bool]:

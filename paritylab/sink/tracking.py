@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -95,7 +95,13 @@ class Tracker:
 
     def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None: ...
 
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None: ...
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> bool:
+        """Upload one file; True when the store now holds its own copy of it (False: linked, or no store)."""
+        return False
+
+    def artifact_sizes(self, artifact_path: str | None = None) -> dict[str, int]:
+        """The size in bytes of each file the run's store holds directly under ``artifact_path``."""
+        return {}
 
     def log_table(self, table: Mapping[str, list[Any]], artifact_file: str) -> None: ...
 
@@ -194,10 +200,15 @@ class MlflowTracker(Tracker):
     def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None:
         self._call("upload artifacts", self.client.log_artifacts, self.run_id, str(directory), artifact_path)
 
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> bool:
         if path.suffix in LINKABLE and self._link(path, artifact_path):
-            return
+            return False
         self._call("upload an artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+        return True
+
+    def artifact_sizes(self, artifact_path: str | None = None) -> dict[str, int]:
+        listed = self._call("list the run's artifacts", self.client.list_artifacts, self.run_id, artifact_path)
+        return {PurePosixPath(item.path).name: int(item.file_size or 0) for item in listed if not item.is_dir}
 
     def _link(self, path: Path, artifact_path: str | None) -> bool:
         """With a local artifact store, hard-link the file into it instead of copying it (one copy of the

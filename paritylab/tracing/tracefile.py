@@ -252,14 +252,15 @@ def _load_paritylab(path: Path) -> Trace:
         directory=path,
     )
     reader = TensorReader(path)
-    withheld = (path / WITHHELD_FILE).is_file() and not (path / WITHHELD_FILE).is_symlink()
+    notes = (path / WITHHELD_FILE, path / UPLOADED_FILE)
+    withheld = any(note.is_file() and not note.is_symlink() for note in notes)
     for file_name in {location[0] for location in trace.files.values()}:
         try:
             reader.resolve(file_name)
         except StorageError as error:
             if not (withheld and not (path / file_name).exists()):
                 raise TraceFormatError(str(error)) from error
-            # an uploaded copy whose shards were not uploaded: statistics only, and comparisons say so
+            # shards not uploaded, or uploaded and deleted here: statistics only, and comparisons say so
             trace.files = {ref: loc for ref, loc in trace.files.items() if loc[0] != file_name}
     return trace
 
@@ -267,6 +268,10 @@ def _load_paritylab(path: Path) -> Trace:
 WITHHELD_FILE = "TENSORS_NOT_UPLOADED.txt"
 """Written beside an uploaded trace whose safetensors shards were not uploaded: the trace then loads with
 statistics only (its values are in the run directory it was uploaded from)."""
+
+UPLOADED_FILE = "TENSORS_UPLOADED.txt"
+"""Written in a run directory's trace once its safetensors shards are safely in MLflow and deleted locally
+(``tracking.keep_local=false``): the trace then loads with statistics only, and the note says how to fetch them."""
 
 
 def _location(ref: object, location: object) -> tuple[str, str]:
