@@ -22,13 +22,25 @@ def debugger_trace(model, directory):
 
 
 def compare(*args):
+    """The CLI across the process boundary: its exit code and output as a user's shell sees them."""
     return subprocess.run(
         [sys.executable, "-m", "paritylab.cli.compare", *map(str, args)], capture_output=True, text=True, timeout=120
     )
 
 
+def compare_here(capsys, *args):
+    """The CLI's ``main`` in this process (the boundary is crossed once, in the first test): same exit code
+    and output, without a second interpreter importing torch."""
+    from paritylab.cli.compare import main
+
+    capsys.readouterr()
+    code = main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["paritylab-compare", *map(str, args)], code, out, err)
+
+
 @pytest.mark.slow
-def test_debugger_traces_compare_through_the_cli(tmp_path):
+def test_debugger_traces_compare_through_the_cli(tmp_path, capsys):
     reference = debugger_trace(tiny_llama(), tmp_path / "ref")
     same = debugger_trace(tiny_llama(), tmp_path / "same")
     result = compare(reference, same, "--json", tmp_path / "same.json")
@@ -41,7 +53,9 @@ def test_debugger_traces_compare_through_the_cli(tmp_path):
     with torch.no_grad():  # the debugger records inside forward, before hooks: plant through the weights
         model.model.layers[1].self_attn.v_proj.weight.mul_(1.05)
     buggy = debugger_trace(model, tmp_path / "buggy")
-    result = compare(reference, buggy, "--markdown", tmp_path / "buggy.md", "--write-alignment", tmp_path / "a.yaml")
+    result = compare_here(
+        capsys, reference, buggy, "--markdown", tmp_path / "buggy.md", "--write-alignment", tmp_path / "a.yaml"
+    )
     assert result.returncode == 1
     assert "divergence starts at model.layers.1.self_attn.v_proj" in result.stdout
     assert "model.layers.1.self_attn.v_proj" in (tmp_path / "buggy.md").read_text()
@@ -55,10 +69,10 @@ def test_tolerance_flags_and_bad_input(tmp_path, capsys):
     with torch.no_grad():
         model.lm_head.weight.mul_(1 + 1e-3)
     candidate = debugger_trace(model, tmp_path / "cand")
-    assert compare(reference, candidate).returncode == 1
-    assert compare(reference, candidate, "--rtol", "1e-2", "--atol", "1e-5").returncode == 0
+    assert compare_here(capsys, reference, candidate).returncode == 1
+    assert compare_here(capsys, reference, candidate, "--rtol", "1e-2", "--atol", "1e-5").returncode == 0
 
-    # Bad input, in process (the exit codes across the process boundary are checked just above).
+    # Bad input, in process too.
     from paritylab.cli.compare import main
 
     def errors(*args):
@@ -77,7 +91,7 @@ def test_tolerance_flags_and_bad_input(tmp_path, capsys):
     assert code == 2 and "needs 'reference' and 'candidate'" in stderr
 
 
-def test_debugger_traces_with_reprs_are_inconclusive_never_a_pass(tmp_path):
+def test_debugger_traces_with_reprs_are_inconclusive_never_a_pass(tmp_path, capsys):
     """The debugger's default use_repr=True keeps summaries, not values: judged on them, never a PASS."""
     traces = []
     for name in ("ref", "same"):
@@ -85,7 +99,7 @@ def test_debugger_traces_with_reprs_are_inconclusive_never_a_pass(tmp_path):
         with model_addition_debugger_context(model, debug_path=str(tmp_path / name), do_prune_layers=False):
             model(IDS)
         traces.append(tmp_path / name)
-    result = compare(*traces, "--json", tmp_path / "r.json")
+    result = compare_here(capsys, *traces, "--json", tmp_path / "r.json")
     assert result.returncode == 3, result.stdout[-800:] + result.stderr[-800:]
     assert "INCONCLUSIVE" in result.stdout and "could not be compared by value" in result.stdout
     summary = json.loads((tmp_path / "r.json").read_text())["summary"]

@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from paritylab import Trace
+from paritylab.cli.app import compose
+from paritylab.comparison.report import compare_traces
+from paritylab.run.runner import run
+from tests.helpers import migrated_store
+
 pytestmark = pytest.mark.slow
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -34,7 +40,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     """Two jobs run in parallel (Hydra's joblib launcher), nested under one parent run on a real server."""
     result = sweep(
         tmp_path, mlflow_server, "nested", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama",
-        "candidate=bf16,sdpa", "tracking.log_tensors=always", "tracking.keep_local=true",
+        "candidate=bf16,sdpa", "tracking.log_tensors=always",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     client = MlflowClient(mlflow_server)
@@ -46,8 +52,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
     assert (
         parent.info.status == "FINISHED"
-        and "| 0-candidate=bf16,compare.replay=False,model=llama,tracking.keep_local=True,tracking.log_tensors=always"
-        " | pass |"
+        and "| 0-candidate=bf16,compare.replay=False,model=llama,tracking.log_tensors=always | pass |"
         in parent.data.tags["mlflow.note.content"]
     )
     assert parent.data.metrics["sweep/jobs"] == 2 and parent.data.metrics["sweep/failed"] == 0
@@ -58,10 +63,28 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     assert (
         len(tags["paritylab.fingerprint"]) == 12 and len({r.data.tags["paritylab.fingerprint"] for r in children}) == 2
     )
-    for child in children:  # tensors uploaded, and kept locally as asked
-        shards = [a for a in _artifacts(client, child.info.run_id, "candidate") if a.path.endswith(".safetensors")]
-        kept = list(Path(child.data.tags["paritylab.output_dir"], "candidate").glob("*.safetensors"))
-        assert shards and sorted(a.file_size for a in shards) == sorted(p.stat().st_size for p in kept)
+    for child in children:  # tensors uploaded (log_tensors=always), whole; the run directory's copy deleted
+        uploaded = {
+            a.path: a.file_size for a in _artifacts(client, child.info.run_id) if a.path.endswith(".safetensors")
+        }
+        fetched = Path(client.download_artifacts(child.info.run_id, "candidate", str(tmp_path / child.info.run_id)))
+        assert {
+            f"candidate/{p.name}": p.stat().st_size for p in fetched.glob("*.safetensors")
+        }.items() <= uploaded.items()
+        run_dir = Path(child.data.tags["paritylab.output_dir"])
+        assert (
+            uploaded and not list(run_dir.rglob("*.safetensors")) and (run_dir / "candidate" / "trace.json").is_file()
+        )
+        note = (run_dir / "candidate" / "TENSORS_UPLOADED.txt").read_text()
+        assert child.info.run_id in note and "mlflow artifacts download" in note
+        stays = Trace.load(run_dir / "candidate")  # what stays loads with statistics only: even against itself ...
+        assert compare_traces(stays, stays).verdict == "inconclusive"  # ... never a plain PASS
+    kept = run(compose([f"tracking.uri={mlflow_server}", "tracking.experiment=nested", "model=llama",
+                        "candidate=sdpa", "compare.replay=false", "tracking.log_tensors=always",
+                        "tracking.keep_local=true"]), tmp_path / "kept", echo=lambda _: None)  # fmt: skip
+    shards = [a for a in _artifacts(client, kept.run_id) if a.path.endswith(".safetensors")]
+    local = list((tmp_path / "kept").rglob("*.safetensors"))
+    assert shards and sorted(a.file_size for a in shards) == sorted(p.stat().st_size for p in local)  # kept as asked
     links = [json.loads(path.read_text())["link"] for path in (tmp_path / "sweep").glob("*/run.json")]
     assert len(links) == 2 and all(link.startswith(mlflow_server) and "/runs/" in link for link in links)  # real URLs
 
@@ -76,9 +99,11 @@ def build(reference):
 
 
 @pytest.mark.slow
-def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, mlflow_server):
+def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path):
     """Nights of one pair: the candidate's code changes between them (the configuration does not), so the
-    pair keeps its fingerprint and the newest night is judged against the promoted baseline."""
+    pair keeps its fingerprint and the newest night is judged against the promoted baseline. (A store file:
+    the server's path is the test above, and a worker saves starting a second server.)"""
+    mlflow_server = migrated_store(tmp_path / "gate.db")
     experiment = "gate"
     code = tmp_path / "nightly_port.py"
     code.write_text(PORT.format(scale="1.0"))
@@ -106,20 +131,7 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, ml
     assert tags["paritylab.regression"] == "regressed" and tags["paritylab.baseline_run"] == golden.info.run_id
     assert "model.language_model.layers.1" in tags["paritylab.regressed_layers"]
     assert newest.data.metrics["regression/model.language_model.layers.1/ratio"] > 2
-    uploaded = {a.path: a.file_size for a in _artifacts(client, newest.info.run_id) if a.path.endswith(".safetensors")}
-    assert uploaded  # regressed: its tensors are uploaded ...
-    run_dir = Path(tags["paritylab.output_dir"])  # ... and the run directory's second copy is deleted
-    assert not list(run_dir.rglob("*.safetensors")) and (run_dir / "candidate" / "trace.json").is_file()
-    note = (run_dir / "candidate" / "TENSORS_UPLOADED.txt").read_text()
-    assert newest.info.run_id in note and "mlflow artifacts download" in note
-    from paritylab import Trace
-    from paritylab.comparison.report import compare_traces
-
-    stays = Trace.load(run_dir / "candidate")  # what stays loads with statistics only: even against itself ...
-    assert compare_traces(stays, stays).verdict == "inconclusive"  # ... never a plain PASS
-    fetched = Path(client.download_artifacts(newest.info.run_id, "candidate", str(tmp_path / "fetched")))
-    local = {f"candidate/{p.name}": p.stat().st_size for p in fetched.glob("*.safetensors")}
-    assert local and local.items() <= uploaded.items()  # whole in the store
+    assert any(a.path.endswith(".safetensors") for a in _artifacts(client, newest.info.run_id))  # regressed: kept
     assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
     parent = client.get_run(newest.data.tags["mlflow.parentRunId"])
     assert parent.info.status == "FAILED"  # a night with a regression is a failed sweep
