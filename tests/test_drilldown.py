@@ -67,12 +67,60 @@ def test_a_correct_rewrite_names_no_operation():
 def test_a_softmax_scale_is_named_at_the_multiplication_with_its_constant():
     scale = 1.1 * (DIM // HEADS) ** -0.5
     found = _drill(*_pair(scale=scale))
-    # The reference computes q @ k^T, the scaling and the softmax inside one fused call: the stretch from where
-    # the values part to where they can be compared again is named, with the constant it uses.
-    assert [op.name for op in found.operations] == ["matmul", "mul", "softmax", "matmul"], found.message
-    assert [op.name for op in found.counterparts] == ["scaled_dot_product_attention"]
-    assert f"{scale:.6g}" in found.operations[1].scalars and f"constants: {scale:.6g}" in found.message
-    assert found.operation == "matmul .. matmul (4 operations)"
+    # The reference computes q @ k^T, the scaling and the softmax inside one fused call, recorded written out:
+    # the one operation that differs is named, beside the fused call's own, with both constants.
+    assert [op.name for op in found.operations] == ["mul"], found.message
+    assert found.operation == "mul" and found.operations[0].scalars == [f"{scale:.6g}"]
+    (theirs,) = found.counterparts
+    assert theirs.name == "mul" and theirs.within == "scaled_dot_product_attention"
+    assert theirs.scalars == [f"{(DIM // HEADS) ** -0.5:.6g}"]
+    assert f"constants: {scale:.6g} vs the reference's 0.353553" in found.message
+    assert "mul(matmul[2, 4, 6, 6], 0.353553) in scaled_dot_product_attention" in found.message
+
+
+def test_a_wrong_scale_passed_to_the_fused_call_is_named_inside_it():
+    """Both sides call ``scaled_dot_product_attention``; the candidate passes another scale."""
+    reference, _, x = _pair()
+
+    class Scaled(FusedAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = (proj(x).view(b, t, HEADS, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+            out = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+            return self.o(out.transpose(1, 2).reshape(b, t, DIM))
+
+    scaled = Scaled()
+    scaled.load_state_dict(reference.state_dict())
+    found = _drill(reference, scaled, x)
+    assert found.operation == "mul in scaled_dot_product_attention", found.message
+    assert "constants: 0.3 vs the reference's 0.353553" in found.message
+    assert "(scaled_dot_product_attention, written out)" in found.message
+
+
+@pytest.mark.parametrize("function", ["layer_norm", "rms_norm"])
+def test_an_eps_written_out_is_named_at_its_addition_against_the_fused_norm(function):
+    """The reference calls the fused norm; the candidate writes it out with another eps."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 5, DIM), torch.randn(DIM)
+
+    class Fused(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if function == "layer_norm":
+                return F.layer_norm(x, (DIM,), weight, None, 1e-5)
+            return F.rms_norm(x, (DIM,), weight, 1e-6)
+
+    class WrittenOut(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if function == "layer_norm":
+                x = x - x.mean(-1, keepdim=True)
+            return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.01) * weight
+
+    run = lambda model: model(x)  # noqa: E731
+    found = drill_into(Fused(), run, "#0", WrittenOut(), run, "#0", lambda _: nullcontext(), torch.float32)
+    assert found.operation == "add", found.message
+    assert found.operations[0].scalars == ["0.01"] and found.counterparts[0].within == function
+    reference_eps = "1e-05" if function == "layer_norm" else "1e-06"
+    assert f"constants: 0.01 vs the reference's {reference_eps}" in found.message
 
 
 def test_where_the_reference_writes_it_out_too_the_operation_itself_is_named():

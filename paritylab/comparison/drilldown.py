@@ -8,10 +8,12 @@ as it ran, the candidate teacher-forced (every aligned call upstream returns the
 Every tensor the candidate's call touched (its inputs, parameters and buffers, every operation's outputs) is
 then looked up among the values the reference's call touched, in any position and, at full precision, in any
 layout (a ``[batch, heads, tokens, dim]`` query matches a ``[batch, tokens, heads * dim]`` one). A value with no
-match is not an error by itself: implementations differ in intermediates (a fused qkv projection, a softmax
-inside ``scaled_dot_product_attention``). It is one when nothing computed from it matches again. The culprit is
-the earliest such value whose operation's inputs are all clean: the first operation (or parameter, or buffer)
-where the candidate's computation leaves the reference's for good.
+match is not an error by itself: implementations differ in intermediates (a fused qkv projection, a query
+scaled before the product). It is one when nothing computed from it matches again. The culprit is the earliest
+such value whose operation's inputs are all clean: the first operation (or parameter, or buffer) where the
+candidate's computation leaves the reference's for good. Fused functions (``scaled_dot_product_attention``,
+``layer_norm``, ``rms_norm``) are recorded as the operations they perform
+(:mod:`paritylab.comparison.expansions`), so their intermediates have counterparts on a written-out side.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from paritylab.comparison.expansions import EXPANSIONS, faithful
 
 MAX_OPS = 20_000
 """Operations recorded per side; beyond this the drill-down stops recording values (and says so)."""
@@ -75,6 +79,8 @@ class Op:
     scalars: list[str]
     inputs: list[int]
     outputs: list[int]
+    within: str = ""
+    """The fused function this operation is part of, written out (:mod:`paritylab.comparison.expansions`)."""
 
 
 @dataclass
@@ -126,7 +132,7 @@ class Drilldown:
         first, last = self.operations[0], self.operations[-1]
         where = f"{first.module}: " if first.module else ""
         if len(self.operations) == 1:
-            return f"{where}{first.name}"
+            return f"{where}{first.name}" + (f" in {first.within}" if first.within else "")
         return f"{where}{first.name} .. {last.name} ({len(self.operations)} operations)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,7 +186,13 @@ def drill_down(
                          len(reference.ops), len(candidate.ops), notes)  # fmt: skip
     anchor = candidate.ops[value.op] if value.op is not None else _first_use(candidate, value.index)
     counterparts = _counterparts(reference, anchor, equals) if anchor is not None else []
-    operations, distance = _stretch(reference, candidate, value, counterparts, layout_free)
+    direct = (
+        anchor is not None
+        and value.op is not None
+        and bool(counterparts)
+        and all(_same_call(candidate, anchor, op, equals) for op in counterparts)
+    )
+    operations, distance = _stretch(reference, candidate, value, counterparts, layout_free, direct)
     message = _describe(candidate, value, operations, counterparts, distance)
     return Drilldown(reference.key, candidate.key, tolerance, value, operations, counterparts, distance, message,
                      len(reference.ops), len(candidate.ops), notes)  # fmt: skip
@@ -203,6 +215,7 @@ class _Recorder(TorchFunctionMode):
         self.paths = {id(m): p for p, m in target.named_modules()}
         self.active = False
         self.busy = False
+        self.within: list[str] = []
 
     @contextmanager
     def installed(self, target: nn.Module, call_index: int) -> Iterator[None]:
@@ -265,6 +278,8 @@ class _Recorder(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
+        if not self.busy and (expanded := self._written_out(func, args, kwargs)) is not None:
+            return expanded
         result = func(*args, **kwargs)
         if self.busy:
             return result
@@ -281,8 +296,26 @@ class _Recorder(TorchFunctionMode):
         for slot, tensor in outputs:
             self.known.pop(id(tensor), None)  # an in-place operation makes a new value in the same tensor
             made.append(self._value(tensor, f"op {index}{_slot(slot, ' ')}", op=index))
-        self.recording.ops.append(Op(index, name, self.stack[-1], arguments, _scalars(args, kwargs), inputs, made))
+        within = self.within[-1] if self.within else ""
+        self.recording.ops.append(
+            Op(index, name, self.stack[-1], arguments, _scalars(args, kwargs), inputs, made, within)
+        )
         return result
+
+    def _written_out(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A fused function's result, computed and recorded operation by operation when it has a faithful
+        expansion (:mod:`paritylab.comparison.expansions`); ``None``: record the fused call as it is."""
+        name = _name(func)
+        expansion = EXPANSIONS.get(name)
+        if expansion is None or self.within or len(self.recording.ops) >= MAX_OPS:
+            return None
+        if not faithful(expansion, func, args, kwargs):
+            return None
+        self.within.append(name)
+        try:
+            return expansion(lambda f, *a, **k: self.__torch_function__(f, (), a, k), *args, **kwargs)
+        finally:
+            self.within.pop()
 
     def _label(self, tensor: torch.Tensor) -> str:
         """What a reader calls a tensor argument: ``input``, ``weight``, ``q_proj.weight``, or the name of
@@ -518,20 +551,30 @@ def _counterparts(reference: Recording, anchor: Op, equals: dict[int, set[int]])
     wanted = set().union(*(equals.get(n, set()) for n in anchor.inputs))
     seen = set().union(*equals.values())
     live = _live(reference)
-    found = [
+    consuming = [
         op
         for op in reference.ops
-        if wanted & set(op.inputs)
-        and any(live[n] and n not in seen and not _integral(reference.values[n]) for n in op.outputs)
+        if wanted & set(op.inputs) and any(live[n] and not _integral(reference.values[n]) for n in op.outputs)
     ]
-    same = [op for op in found if op.name == anchor.name]
+    found = [op for op in consuming if any(n not in seen for n in op.outputs)]
+    # The same operation on the same inputs is the counterpart even when a candidate value happens to equal its
+    # result (an eps of 1e-5 added to a variance near 1 is below the tolerance).
+    same = [op for op in found if op.name == anchor.name] or [op for op in consuming if op.name == anchor.name]
     return (same or found)[:4]
 
 
+def _same_call(candidate: Recording, anchor: Op, other: Op, equals: dict[int, set[int]]) -> bool:
+    """``other`` (a reference operation) is ``anchor``'s function applied to what each of its floating-point
+    tensor inputs equals: only the constants can differ (an eps, a scale)."""
+    floats = [n for n in anchor.inputs if not _integral(candidate.values[n])]
+    return other.name == anchor.name and bool(floats) and all(equals.get(n, set()) & set(other.inputs) for n in floats)
+
+
 def _stretch(
-    reference: Recording, candidate: Recording, value: Value, counterparts: list[Op], layout_free: bool
+    reference: Recording, candidate: Recording, value: Value, counterparts: list[Op], layout_free: bool, direct: bool
 ) -> tuple[list[Op], float | None]:
-    """The candidate operations from ``value`` to the value nearest a counterpart's result, and that distance."""
+    """The candidate operations from ``value`` to the value nearest a counterpart's result, and that distance
+    (``direct``: the counterparts are the operation that made ``value``, which is then the stretch alone)."""
     targets = [
         (n, *_flat(tensor))
         for op in counterparts
@@ -539,6 +582,8 @@ def _stretch(
         if (tensor := reference.tensors[n]) is not None and tensor.numel()
     ]
     downstream = _descendants(candidate, value.index)
+    if direct:
+        downstream = {value.index}
     distance = _Distance(layout_free)
     best, end = math.inf, None
     for number in sorted(downstream):
@@ -581,13 +626,15 @@ def _describe(
     candidate: Recording, value: Value, operations: list[Op], counterparts: list[Op], distance: float | None
 ) -> str:
     off = f"{distance:.3g}" if distance is not None and math.isfinite(distance) else "no value of its size"
-    theirs = "; ".join(op.arguments for op in counterparts)
+    theirs = "; ".join(op.arguments + (f" in {op.within}" if op.within else "") for op in counterparts)
     if not operations:
         use = _first_use(candidate, value.index)
         read = f", read by {use.arguments}" if use is not None else ""
         return f"{value.origin} {value.shape} matches no reference value (nearest: {off}){read}"
     first = operations[0]
     where = f" in {first.module}" if first.module else ""
+    if first.within:
+        where += f" ({first.within}, written out)"
     if value.op is None:
         text = f"{value.origin} {value.shape}{where} matches no reference value: "
     else:
