@@ -116,11 +116,9 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert seconds["tracking start"] + seconds["publish"] < 20  # the timeout (2 s) and one retry, not a model's
     assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
     store = migrated_store(tmp_path / "later.db")
-    upload = subprocess.run(
-        [sys.executable, "-m", "paritylab.cli.upload", str(directory), "--tracking-uri", store],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert upload.returncode == 0, upload.stderr
+    from paritylab.cli.upload import main as upload_main  # the CLI's entry, in this process
+
+    assert upload_main([str(directory), "--tracking-uri", store]) == 0
     client = MlflowClient(store)
     (run,) = parity_runs(client)
     assert run.info.status == "FINISHED" and run.data.tags["paritylab.verdict"] == "pass"
@@ -129,7 +127,7 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
     from paritylab.sink.publish import upload
 
-    assert upload(directory, store) == (run.info.run_id, True)  # again (in process: the CLI ran above)
+    assert upload(directory, store) == (run.info.run_id, True)  # again, through the function
     assert [r.info.run_id for r in parity_runs(client)] == [run.info.run_id]  # idempotent: still one run
 
 

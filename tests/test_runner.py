@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pstats
 import subprocess
 import sys
@@ -241,8 +240,10 @@ def test_bad_configuration_across_the_process_boundary(tmp_path):
 
 
 def test_cfg_job_and_help_work_as_hydra_users_expect(tmp_path):
-    shown = app(tmp_path, "--profile=job.prof", "--cfg", "job", "candidate=bf16")  # and a cProfile of the process
-    assert shown.returncode == 0 and "kind: dtype" in shown.stdout and "dtype: bfloat16" in shown.stdout
+    mine = _user_candidate(tmp_path)  # a config from another directory, found through --config-dir
+    shown = app(tmp_path, "--profile=job.prof", "--config-dir", str(mine), "--cfg", "job", "candidate=scaled")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "name: scaled" in shown.stdout and "scale: 1.05" in shown.stdout and "kind: target" in shown.stdout
     assert "paritylab: profile written to job.prof" in shown.stdout
     profile = pstats.Stats(str(tmp_path / "job.prof"))
     assert any(name == "preflight" and "app.py" in path for path, _, name in profile.stats)  # type: ignore[attr-defined]
@@ -291,7 +292,7 @@ def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
 
 
 @pytest.mark.slow
-def test_user_configs_from_another_directory(tmp_path):
+def _user_candidate(tmp_path: Path) -> Path:
     mine = tmp_path / "my_conf" / "candidate"
     mine.mkdir(parents=True)
     (mine / "scaled.yaml").write_text(
@@ -299,15 +300,17 @@ def test_user_configs_from_another_directory(tmp_path):
         "  module: llm.layers.0.feed_forward.w2\n  scale: 1.05\n"
         "weight_map: pkg://paritylab.experiments.llava_port/weights.yaml\n"
     )
+    return mine.parent
+
+
+def test_user_configs_from_another_directory(tmp_path):
+    """A user's candidate config beside their code (``--config-dir``: the command line's form is checked in
+    ``test_cfg_job_and_help_work_as_hydra_users_expect``), run in this process."""
     store = migrated_store(tmp_path / "mlflow.db")
-    result = subprocess.run(
-        [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=scaled",
-         "compare.replay=false", f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'h'}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},  # tests.faulty; artifacts land in tmp_path, not the checkout
-    )  # fmt: skip
-    assert result.returncode == 1, result.stdout[-1500:] + result.stderr[-1500:]
-    assert "divergence starts at model.language_model.layers.0.mlp.down_proj" in result.stdout
+    cfg = compose(["candidate=scaled", "compare.replay=false", f"tracking.uri={store}"], str(_user_candidate(tmp_path)))
+    result = run(cfg, tmp_path / "h", echo=lambda _: None)
+    assert result.exit_code == 1, result.error
+    assert result.report.first_divergence.path == "model.language_model.layers.0.mlp.down_proj"
     notes = json.loads((tmp_path / "h" / "run.json").read_text())["notes"]
     assert any(note.startswith("weight parity: 40 parameters compared, 0 differ") for note in notes), notes
 
