@@ -21,8 +21,6 @@ from paritylab.comparison.report import compare_traces
 from paritylab.run.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import migrated_store, parity_runs
 
-REPOSITORY = Path(__file__).resolve().parents[1]
-
 
 def run_with(tmp_path: Path, *overrides: str):
     uri = migrated_store(tmp_path / "mlflow.db")
