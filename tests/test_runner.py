@@ -274,12 +274,17 @@ def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
     overrides = ["model=llama", f"candidate={candidate}", "compare.replay=false"]
     if candidate == "compiled":  # aot_eager: the same graph capture, without C++ compilation; and a decode
         overrides += ["candidate.backend=aot_eager", "generate.steps=1"]  # step: the compiled model's cache works
-    result, _ = run_with(tmp_path, *overrides)
+    result, client = run_with(tmp_path, *overrides)
     assert result.exit_code == EXIT_PASS, result.error
     if candidate == "compiled":
         decode = result.report.decode
         assert decode["summary"]["verdict"] == "pass" and [s["step"] for s in decode["steps"]] == [0, 1]
         assert all(s["token_agreement"] == 1.0 and s["kl"] < 1e-9 for s in decode["steps"])
+        # run once more untraced, as one graph: it agrees; the decode step after it is traced call by call again
+        graph = result.report.whole_graph
+        assert graph["verdict"] == "pass" and graph["rel_l2"] < 1e-6 and graph["traced_rel_l2"] < 1e-6, graph
+        assert len(Trace.load(result.directory / "steps" / "1" / "candidate").calls) > 10
+        assert client.get_run(result.run_id).data.tags["paritylab.whole_graph"] == "pass"
     rows = [row for row in result.report.rows if row.status == "compared"]
     assert len(rows) == len(Trace.load(result.directory / "reference").calls)
     assert all(row.source == "identity" for row in rows)
@@ -289,7 +294,6 @@ def test_generic_candidates_apply_to_any_reference(tmp_path, candidate):
         assert any("compiled" in note for note in result.notes)
 
 
-@pytest.mark.slow
 def _user_candidate(tmp_path: Path) -> Path:
     mine = tmp_path / "my_conf" / "candidate"
     mine.mkdir(parents=True)
@@ -301,6 +305,7 @@ def _user_candidate(tmp_path: Path) -> Path:
     return mine.parent
 
 
+@pytest.mark.slow
 def test_user_configs_from_another_directory(tmp_path):
     """A user's candidate config beside their code (``--config-dir``: the command line's form is checked in
     ``test_cfg_job_and_help_work_as_hydra_users_expect``), run in this process."""

@@ -151,6 +151,9 @@ class Report:
     """Decode-step parity (``Generation.to_dict()``: its summary and every step), when it ran."""
     drilldown: dict[str, Any] | None = None
     """Inside :attr:`first_divergence`, the first operation that differs (``Drilldown.to_dict()``)."""
+    whole_graph: dict[str, Any] | None = None
+    """A compiled candidate run once more untraced, as one graph (``paritylab.run.whole_graph``): ``verdict``
+    (``pass``, ``fail``, ``unchecked``), its output's error against the reference and its traced run, ``message``."""
 
     @property
     def passed(self) -> bool:
@@ -164,11 +167,12 @@ class Report:
         if self.errors:
             return "error"
         decode = (self.decode or {}).get("summary", {}).get("verdict", "pass")
-        if self.failing or decode in ("fail", "error"):
+        graph = (self.whole_graph or {}).get("verdict", "pass")
+        if self.failing or decode in ("fail", "error") or graph == "fail":
             return "fail"
         if self.not_compared or not any(row.status == "compared" for row in self.rows) or decode != "pass":
             return "inconclusive"
-        return "pass"
+        return "inconclusive" if graph != "pass" else "pass"
 
     @property
     def not_compared(self) -> list[Row]:
@@ -228,6 +232,7 @@ class Report:
             "culprit_reason": self.culprit_reason,
             "first_operation": self.drilldown.get("operation") if self.drilldown else None,
             "decode": self.decode["summary"] if self.decode else None,
+            "whole_graph": self.whole_graph.get("verdict") if self.whole_graph else None,
             "worst_rel_l2": worst.rel_l2 if worst else None,
             "worst_module": worst.path if worst else None,
             "output_module": output.path if output else None,
@@ -244,6 +249,7 @@ class Report:
             "summary": self.summary(),
             "rows": [row.to_json() for row in self.rows],
             "drilldown": self.drilldown,
+            "whole_graph": self.whole_graph,
             "unmatched_candidate": self.alignment.unmatched_candidate,
         }
 

@@ -51,6 +51,9 @@ def headline(report: Report) -> str:
         side, error = next(iter(report.errors.items()))
         where = display_path(error.get("module") or "") if error.get("module") is not None else "?"
         return f"ERROR: the {side} forward raised {error.get('type')} in {where}: {error.get('message')}"
+    graph = report.whole_graph or {}
+    if report.verdict == "inconclusive" and graph.get("verdict") == "unchecked" and not report.not_compared:
+        return f"INCONCLUSIVE: every traced module agrees, but {printable(str(graph.get('message')))}; not a pass"
     if report.verdict == "inconclusive":
         missing = report.not_compared
         if not missing:
@@ -73,6 +76,8 @@ def headline(report: Report) -> str:
             f"FAIL: the forward agrees, but at decode step {decode['first_failing_step']} divergence starts at "
             f"{where.split('/', 1)[1]} ({decode.get('culprit_reason')}); {tokens}"
         )
+    if report.first_divergence is None and graph.get("verdict") == "fail":
+        return f"FAIL: every traced module agrees, but {printable(str(graph.get('message')))}"
     first = report.first_divergence
     where = display_path(first.path) if first else "?"
     own = first.local.get("local_rel_l2") if first else None
@@ -98,6 +103,8 @@ def to_console(report: Report, limit: int | None = 60) -> str:
     inside = operation_line(report)
     if inside:
         lines.append(inside)
+    if report.whole_graph:
+        lines.append(f"  {printable(str(report.whole_graph.get('message')))}")
     lines.extend(decode_lines(report))
     return "\n".join(lines)
 
@@ -162,6 +169,8 @@ def to_markdown(report: Report, limit: int | None = 200) -> str:
     inside = operation_line(report)
     if inside:
         lines += [_md_escape(inside.strip()), ""]
+    if report.whole_graph:
+        lines += [_md_escape(str(report.whole_graph.get("message"))), ""]
     if report.origins:
         lines.append("Origins: " + ", ".join(f"`{_md_escape(display_path(r.path))}`" for r in report.origins))
         lines.append("")

@@ -25,8 +25,9 @@ from paritylab.comparison.replay import attach_replay, isolated_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.resident import converted_copy
+from paritylab.run.whole_graph import check_whole_graph
 from paritylab.tracing.tracefile import Trace
-from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
 Call = Callable[[nn.Module], Any]
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -228,7 +229,8 @@ def check(
 
     ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
     to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
-    is judged against the reference's own error at that precision.
+    is judged against the reference's own error at that precision. A ``torch.compile`` candidate is also run
+    once untraced, as one graph (:mod:`paritylab.run.whole_graph`).
     """
     directory = Path(directory)
     candidate_call = candidate_call or reference_call
@@ -251,6 +253,9 @@ def check(
             free_run, candidate, candidate_call, reference_trace, candidate_trace, directory,
             tolerances=tolerances, floors=floors,
         )  # fmt: skip
+    if is_compiled(candidate) and not report.errors:  # what the tracer's graph breaks could hide
+        graph = check_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace)
+        report = replace(report, whole_graph=graph)
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
 
 

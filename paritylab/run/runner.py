@@ -43,6 +43,7 @@ from paritylab.run.parity import (
     match_weight_grids,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
+from paritylab.run.whole_graph import check_whole_graph
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment
@@ -57,7 +58,7 @@ from paritylab.sink.tracking import (
     flatten,
 )
 from paritylab.tracing.tracefile import Trace, display_path, write_json
-from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
@@ -262,6 +263,11 @@ class _Session:
             )  # fmt: skip
             self._keep(report)
             self._mark("replay")
+        if is_compiled(candidate.model) and not report.errors:
+            self.echo("paritylab: the compiled candidate as one graph (untraced)")
+            graph = check_whole_graph(report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace)
+            report = self._keep(dataclasses.replace(report, whole_graph=graph))
+            self._mark("whole graph")
         if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
             found = self._drill_down(report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
             report = self._keep(found)

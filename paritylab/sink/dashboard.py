@@ -40,6 +40,8 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
         tags["paritylab.first_operation"] = str(report.drilldown.get("operation"))[:500]
     elif decode.get("first_operation"):
         tags["paritylab.first_operation"] = f"step{decode['first_failing_step']}/{decode['first_operation']}"[:500]
+    if report is not None and report.whole_graph:
+        tags["paritylab.whole_graph"] = str(report.whole_graph.get("verdict"))
     tags["mlflow.note.content"] = description(report, verdict, error, notes)
     if report is not None:
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
@@ -106,6 +108,9 @@ def report_metrics(report: Report) -> list[Metric]:
                 )
         failing = report.decode["summary"]["first_failing_step"]
         _add(metrics, "summary/decode_first_failing_step", -1 if failing is None else failing, 0)
+    if report.whole_graph:  # a compiled candidate run as one graph
+        _add(metrics, "summary/whole_graph_rel_l2", report.whole_graph.get("rel_l2"), 0)
+        _add(metrics, "summary/whole_graph_traced_rel_l2", report.whole_graph.get("traced_rel_l2"), 0)
     _add(metrics, "summary/passing_modules", summary["passed"], 0)
     _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
     _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)

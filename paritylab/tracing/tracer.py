@@ -93,7 +93,7 @@ class Tracer:
     """
 
     def __init__(self, model: nn.Module, directory: str | Path | None = None, options: TraceOptions | None = None):
-        self.compiled = _is_compiled(model)
+        self.compiled = is_compiled(model)
         self.model: nn.Module = cast(nn.Module, model._orig_mod) if self.compiled else model
         self.options = options or TraceOptions()
         self.directory = Path(directory) if directory is not None else None
@@ -491,7 +491,7 @@ def _pending_bytes(chosen: int | None, model: nn.Module) -> int:
     return DEFAULT_PENDING_BYTES if not on_cpu or torch.get_num_threads() < cores else 0
 
 
-def _is_compiled(model: nn.Module) -> bool:
+def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` is the wrapper ``torch.compile`` returns (its module lives in ``_orig_mod``)."""
     return isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule"
 
