@@ -99,42 +99,45 @@ def build(reference):
 
 
 @pytest.mark.slow
-def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path):
+def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, monkeypatch):
     """Nights of one pair: the candidate's code changes between them (the configuration does not), so the
-    pair keeps its fingerprint and the newest night is judged against the promoted baseline. (A store file:
-    the server's path is the test above, and a worker saves starting a second server.)"""
-    mlflow_server = migrated_store(tmp_path / "gate.db")
-    experiment = "gate"
+    pair keeps its fingerprint and the newest night is judged against the promoted baseline. The nights run in
+    this process on a store file: sweeps across the process boundary and over HTTP are the test above, and a
+    night with a failing job fails its sweep in ``test_a_sweep_parent_is_failed_when_any_child_fails_or_errors``."""
+    uri, experiment = migrated_store(tmp_path / "gate.db"), "gate"
     code = tmp_path / "nightly_port.py"
-    code.write_text(PORT.format(scale="1.0"))
-    pair = ["candidate=port", "candidate.ports.llava.build._target_=nightly_port.build", "tracking.trend=true"]
-    base = sweep(tmp_path, mlflow_server, experiment, *pair)
-    assert base.returncode == 0, base.stdout[-3000:]
-    client = MlflowClient(mlflow_server)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pair = ["candidate=port", "candidate.ports.llava.build._target_=nightly_port.build", "tracking.trend=true",
+            f"tracking.uri={uri}", f"tracking.experiment={experiment}", "compare.replay=false"]  # fmt: skip
+
+    def night(number: int, scale: str):
+        code.write_text(PORT.format(scale=scale))
+        sys.modules.pop("nightly_port", None)  # tonight's commit, imported afresh
+        return run(compose(pair), tmp_path / f"night{number}", echo=lambda _: None)
+
+    assert night(1, "1.0").exit_code == 0
+    client = MlflowClient(uri)
     (golden,) = parity_runs_named(client, experiment)
     from paritylab.cli.promote import main as promote_main  # in process: test_history runs the CLI's process
 
-    assert promote_main([golden.info.run_id, "--tracking-uri", mlflow_server]) == 0
+    assert promote_main([golden.info.run_id, "--tracking-uri", uri]) == 0
     assert client.get_run(golden.info.run_id).data.tags["paritylab.baseline"] == "golden"
 
-    same = sweep(tmp_path, mlflow_server, experiment, *pair)
-    assert same.returncode == 0, same.stdout[-3000:]
-    assert "| none |" in same.stdout
+    same = night(2, "1.0")
+    assert same.exit_code == 0 and json.loads((tmp_path / "night2" / "run.json").read_text())["regression"] == "none"
 
-    code.write_text(PORT.format(scale="1.0001"))  # tonight's commit scales one projection by 1e-4
-    worse = sweep(tmp_path, mlflow_server, experiment, *pair)
-    assert worse.returncode == 1, worse.stdout[-3000:]
-    assert "regressed" in worse.stdout and "model.language_model.layers.1" in worse.stdout
-    newest = max(parity_runs_named(client, experiment), key=lambda r: r.info.start_time)
+    worse = night(3, "1.0001")  # tonight's commit scales one projection by 1e-4
+    assert worse.exit_code == 1 and worse.report.verdict == "pass"  # within tolerance: only the gate catches it
+    summary = json.loads((tmp_path / "night3" / "run.json").read_text())
+    assert summary["regression"] == "regressed" and "model.language_model.layers.1" in summary["regressed_layers"]
+    newest = client.get_run(worse.run_id)
     tags = newest.data.tags
-    assert tags["paritylab.verdict"] == "pass"  # still within tolerance: only the gate catches it
+    assert tags["paritylab.verdict"] == "pass"
     assert tags["paritylab.regression"] == "regressed" and tags["paritylab.baseline_run"] == golden.info.run_id
     assert "model.language_model.layers.1" in tags["paritylab.regressed_layers"]
     assert newest.data.metrics["regression/model.language_model.layers.1/ratio"] > 2
     assert any(a.path.endswith(".safetensors") for a in _artifacts(client, newest.info.run_id))  # regressed: kept
     assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
-    parent = client.get_run(newest.data.tags["mlflow.parentRunId"])
-    assert parent.info.status == "FAILED"  # a night with a regression is a failed sweep
     (trend,) = [r for r in runs_of(client, experiment) if r.data.tags.get("paritylab.trend") == "true"]
     assert trend.info.run_name == "trend/llava/port/synthetic-seed-0"
     history = client.get_metric_history(trend.info.run_id, "layer/model.language_model.layers.1/rel_l2")
