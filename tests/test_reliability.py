@@ -106,12 +106,15 @@ def test_different_call_counts_dtypes_and_shapes_are_rows(tmp_path):
 @pytest.mark.slow
 def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path):
     started = time.monotonic()
-    result = app(tmp_path, f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout=2", "compare.replay=false")
-    elapsed = time.monotonic() - started
-    assert result.returncode == 2
-    assert elapsed < 180  # never hangs on the server (MLflow's own retries would take minutes)
-    assert "failed to" in result.stdout and "paritylab-upload " in result.stdout
+    said: list[str] = []
     directory = tmp_path / "hydra"
+    cfg = compose([f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout=2", "compare.replay=false"])
+    result = run(cfg, directory, echo=said.append)
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 2
+    assert elapsed < 180  # never hangs on the server (MLflow's own retries would take minutes)
+    output = "\n".join(said)
+    assert "failed to" in output and "paritylab-upload " in output
     seconds = json.loads((directory / "run.json").read_text())["seconds"]
     assert seconds["tracking start"] + seconds["publish"] < 20  # the timeout (2 s) and one retry, not a model's
     assert (directory / "tracking.json").is_file() and (directory / "report" / "report.html").is_file()
@@ -120,15 +123,15 @@ def test_unreachable_server_fails_fast_keeps_results_and_uploads_later(tmp_path)
 
     assert upload_main([str(directory), "--tracking-uri", store]) == 0
     client = MlflowClient(store)
-    (run,) = parity_runs(client)
-    assert run.info.status == "FINISHED" and run.data.tags["paritylab.verdict"] == "pass"
-    assert run.data.tags["paritylab.uploaded_from"] == str(directory)
-    assert run.data.metrics["summary/failing_modules"] == 0
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"reference", "candidate", "report"}
+    (uploaded,) = parity_runs(client)
+    assert uploaded.info.status == "FINISHED" and uploaded.data.tags["paritylab.verdict"] == "pass"
+    assert uploaded.data.tags["paritylab.uploaded_from"] == str(directory)
+    assert uploaded.data.metrics["summary/failing_modules"] == 0
+    assert {a.path for a in client.list_artifacts(uploaded.info.run_id)} >= {"reference", "candidate", "report"}
     from paritylab.sink.publish import upload
 
-    assert upload(directory, store) == (run.info.run_id, True)  # again, through the function
-    assert [r.info.run_id for r in parity_runs(client)] == [run.info.run_id]  # idempotent: still one run
+    assert upload(directory, store) == (uploaded.info.run_id, True)  # again, through the function
+    assert [r.info.run_id for r in parity_runs(client)] == [uploaded.info.run_id]  # idempotent: still one run
 
 
 def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
@@ -322,6 +325,7 @@ def test_sigterm_ends_the_run_killed_with_partial_artifacts(tmp_path):
         "compare.replay=false", f"hydra.run.dir={tmp_path / 'hydra'}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPOSITORY)}
+    migrated_store(tmp_path / "mlflow.db")  # the default store, already created: the signal is what is tested
     process = subprocess.Popen(
         command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -180,7 +180,8 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     from paritylab.sink.processes import process_start
     from paritylab.sink.tracking import MlflowTracker
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'stale.db'}")
+    store = migrated_store(tmp_path / "stale.db")
+    client = MlflowClient(store)
     experiment = client.create_experiment("stale")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -191,7 +192,7 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     # the pid of a dead run now held by another process (this one, started at another time): gone too
     reused = client.create_run(experiment, tags={**me, "paritylab.process_start": "12"})
     trend = client.create_run(experiment, tags={"paritylab.trend": "true"})
-    closed = MlflowTracker(f"sqlite:///{tmp_path / 'stale.db'}", "stale").store().close_stale_runs()
+    closed = MlflowTracker(store, "stale").store().close_stale_runs()
     assert sorted(closed) == sorted([orphan.info.run_id, reused.info.run_id])
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
     assert client.get_run(reused.info.run_id).info.status == "KILLED"
