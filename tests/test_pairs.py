@@ -216,6 +216,25 @@ def _vit_missing_norm(model):
     model.blocks[1].norm2 = torch.nn.Identity()
 
 
+def _port_eps(model):
+    model.llm.layers[0].ffn_norm.eps = 1e-2  # our port's RMSNorm, written out, against transformers' LlamaRMSNorm
+
+
+def _port_activation(model):
+    """GELU where the port's SwiGLU MLP uses SiLU, in layer 0 only."""
+    mlp = model.llm.layers[0].feed_forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = mlp.w13(x).chunk(2, dim=-1)
+        return mlp.w2(torch.nn.functional.gelu(gate) * up)
+
+    mlp.forward = forward
+
+
+def _port_softmax_scale(model):
+    model.llm.layers[1].attention.scale *= 1.1
+
+
 CODE_BUGS = [
     ("gpt2", _eps, "transformer.h.0.ln_2"),
     ("gpt2", _gelu_variant, "transformer.h.0.mlp"),
@@ -240,6 +259,9 @@ CODE_BUGS = [
     ("vit", _vit_gelu_variant, "layers.0.mlp.activation_fn"),
     ("vit", _vit_attention_scale, "layers.1.attention"),
     ("vit", _vit_missing_norm, "layers.1.layernorm_after"),
+    ("llava", _port_eps, "model.language_model.layers.0.post_attention_layernorm"),
+    ("llava", _port_activation, "model.language_model.layers.0.mlp.act_fn"),  # transformers' own module for it
+    ("llava", _port_softmax_scale, "model.language_model.layers.1.self_attn"),
 ]
 
 
@@ -285,6 +307,8 @@ DRILLED = {
     "_vit_eps": ("add", "0.01"),  # both call layer_norm: written out, its addition of eps is named
     "_vit_gelu_variant": ("gelu", "approximate='tanh'"),
     "_vit_attention_scale": ("mul", "0.275"),
+    "_port_eps": ("add", "0.01"),
+    "_port_softmax_scale": ("mul", "0.388909"),
 }
 
 

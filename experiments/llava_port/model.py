@@ -168,6 +168,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads = config.heads, config.kv_heads
         self.head_dim = config.dim // config.heads
+        self.scale = self.head_dim**-0.5
         self.wqkv = nn.Linear(config.dim, (config.heads + 2 * config.kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(config.heads * self.head_dim, config.dim, bias=False)
 
@@ -182,7 +183,7 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return self.wo(merge_heads(attend(q, k, v, mask)))
+        return self.wo(merge_heads(attend(q, k, v, mask, self.scale)))
 
 
 class FeedForward(nn.Module):
@@ -292,8 +293,10 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch, length, heads * head_dim)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

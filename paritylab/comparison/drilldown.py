@@ -408,8 +408,17 @@ def _arguments(
 # -- matching ----------------------------------------------------------------------------------------------------
 
 
+_MASKED = 1e30
+"""Values at least this large (or infinite) are an attention mask's fill (``-inf``, ``finfo.min``): compared as
+zeros, so the positions they mask must agree while the other values are what the distance measures. Left as they
+are, one such value outweighs every real one, and scores scaled wrongly would match once masked."""
+
+
 def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, float]:
     data = tensor.detach().reshape(-1).to(torch.float64)
+    masked = data.abs() >= _MASKED  # infinities too; NaN stays NaN and matches nothing
+    if bool(masked.any()):
+        data = data.masked_fill(masked, 0.0)
     return data, float(torch.linalg.vector_norm(data))
 
 
