@@ -57,3 +57,23 @@ def test_an_eager_candidate_has_no_whole_graph_check(tmp_path):
     reference, _, x = _pair("aot_eager")
     result = check(reference, copy.deepcopy(reference), tmp_path, reference_call=lambda model: model(x), replay=False)
     assert result.report.whole_graph is None and result.verdict == "pass"
+
+
+def test_a_whole_graph_that_does_not_run_fails_and_one_not_run_is_no_pass(tmp_path):
+    def refuses_whole_graphs(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        calls = [node for node in gm.graph.nodes if node.op in ("call_function", "call_module", "call_method")]
+        if len(calls) >= 4:
+            raise RuntimeError("lowering failed")
+        return gm.forward
+
+    reference, candidate, x = _pair(refuses_whole_graphs)
+    result = check(reference, candidate, tmp_path, reference_call=lambda model: model(x), replay=False)
+    graph = result.report.whole_graph
+    assert result.verdict == "fail" and graph["verdict"] == "fail", graph
+    assert "raised" in graph["message"] and "lowering failed" in graph["message"]
+    skipped = check(
+        reference, candidate, tmp_path / "skipped", reference_call=lambda model: model(x), replay=False,
+        whole_graph=False,
+    )  # fmt: skip
+    assert skipped.verdict == "inconclusive" and skipped.exit_code == 3
+    assert headline(skipped.report).startswith("INCONCLUSIVE: every traced module agrees, but the compiled candidate")

@@ -155,6 +155,10 @@ class CompareConfig:
     drilldown: bool = True
     """On a failing run, record the origin module's call operation by operation on both sides and name the
     first operation that differs (:mod:`paritylab.comparison.drilldown`)."""
+    whole_graph: bool = True
+    """A ``torch.compile`` candidate: run it once more untraced, as one graph, and judge its output
+    (:mod:`paritylab.run.whole_graph`). Off, the graph breaks tracing inserts can hide a difference, and the run
+    says it was not checked (never a plain PASS)."""
     noise_floor: NoiseFloor = NoiseFloor.auto
     noise_multiple: float = 4.0
     save_tensors: bool = True

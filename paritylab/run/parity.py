@@ -25,7 +25,7 @@ from paritylab.comparison.replay import attach_replay, isolated_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.resident import converted_copy
-from paritylab.run.whole_graph import check_whole_graph
+from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
@@ -224,13 +224,15 @@ def check(
     noise_multiple: float = 4.0,
     replay: bool = True,
     cast_inputs: Callable[[torch.dtype], Call] | None = None,
+    whole_graph: bool = True,
 ) -> ParityResult:
     """Trace both models, compare them module by module and name where divergence starts.
 
     ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
     to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
     is judged against the reference's own error at that precision. A ``torch.compile`` candidate is also run
-    once untraced, as one graph (:mod:`paritylab.run.whole_graph`).
+    once untraced, as one graph (:mod:`paritylab.run.whole_graph`; ``whole_graph=False`` skips it, and the
+    result is then inconclusive at best).
     """
     directory = Path(directory)
     candidate_call = candidate_call or reference_call
@@ -254,7 +256,11 @@ def check(
             tolerances=tolerances, floors=floors,
         )  # fmt: skip
     if is_compiled(candidate) and not report.errors:  # what the tracer's graph breaks could hide
-        graph = check_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace)
+        graph = (
+            check_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace)
+            if whole_graph
+            else not_checked("whole_graph=False")
+        )
         report = replace(report, whole_graph=graph)
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
 

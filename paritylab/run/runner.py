@@ -43,7 +43,7 @@ from paritylab.run.parity import (
     match_weight_grids,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
-from paritylab.run.whole_graph import check_whole_graph
+from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment
@@ -264,8 +264,12 @@ class _Session:
             self._keep(report)
             self._mark("replay")
         if is_compiled(candidate.model) and not report.errors:
-            self.echo("paritylab: the compiled candidate as one graph (untraced)")
-            graph = check_whole_graph(report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace)
+            if cfg.compare.whole_graph:
+                self.echo("paritylab: the compiled candidate as one graph (untraced)")
+                model = candidate.model.to(self.device)
+                graph = check_whole_graph(report, model, cand_run, ref_trace, cand_trace)
+            else:
+                graph = not_checked("compare.whole_graph=false")
             report = self._keep(dataclasses.replace(report, whole_graph=graph))
             self._mark("whole graph")
         if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:

@@ -34,22 +34,30 @@ def check_whole_graph(
         return None
     row = report.output_row
     if row is None or row.candidate is None or row.tolerance is None or row.candidate.slot is None:
-        return _unchecked("the report has no compared output row")
+        return not_checked("the report has no compared output row")
     reference_value = _traced(reference, row.reference.key, row.reference.slot)
     traced_value = _traced(candidate, row.candidate.key, row.candidate.slot)
     if reference_value is None or traced_value is None:
-        return _unchecked("the traced outputs hold no values")
+        return not_checked("the traced outputs hold no values")
     # Dynamo does not guard on module hooks: without a reset, the code compiled around the tracer's hooks (in
     # pieces) would run again. After the run, reset again so later traced runs compile with their hooks.
     torch.compiler.reset()
     try:
         with torch.no_grad():
             output = call(model)
+    except Exception as error:  # the graph it is deployed as does not run: that is the finding
+        return {
+            "verdict": "fail",
+            "module": row.path,
+            "message": f"the compiled candidate run as one graph (no graph breaks) raised {type(error).__name__}: "
+            f"{' '.join(line.strip() for line in str(error).splitlines() if line.strip())[:300]}; traced in pieces "
+            "it ran",
+        }
     finally:
         torch.compiler.reset()
     whole = _slot(output, row.candidate.slot)
     if whole is None or whole.shape != traced_value.shape or whole.numel() != reference_value.numel():
-        return _unchecked(f"the untraced output has no tensor at {row.candidate.slot} shaped as the traced one")
+        return not_checked(f"the untraced output has no tensor at {row.candidate.slot} shaped as the traced one")
     against_reference = divergence(reference_value.reshape(whole.shape), whole, row.tolerance)
     against_traced = divergence(traced_value, whole, row.tolerance)
     passed = within(against_traced) or within(against_reference)
@@ -77,7 +85,8 @@ def check_whole_graph(
     return result
 
 
-def _unchecked(why: str) -> dict[str, Any]:
+def not_checked(why: str) -> dict[str, Any]:
+    """The result for a compiled candidate that was not run as one graph (the run is then not a PASS)."""
     return {"verdict": "unchecked", "message": f"the compiled candidate was not run as one graph: {why}"}
 
 
