@@ -355,3 +355,32 @@ def test_a_frozen_alignment_is_reused_and_a_lost_pair_is_a_finding(tmp_path):
     assert changed.alignment.lost == ["model.layers.1.post_attention_layernorm#0"]
     row = next(row for row in changed.rows if row.path == "model.layers.1.post_attention_layernorm")
     assert row.verdict == "fail" and "no longer exists" in row.note and not changed.passed
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_a_frozen_alignment_keeps_what_stands_for_a_run_pairs_input(tmp_path):
+    """TransformerLens' OPT ``mlp`` holds the weights of transformers' ``fc1`` and ``fc2``: paired with ``fc2``,
+    its input compared with ``fc1``'s. Pinned in a later run, the pair keeps that input, so a bug in it is
+    named where a fresh alignment names it."""
+    from paritylab.comparison.alignment import load_rules
+    from paritylab.comparison.report import compare_traces
+
+    case = PAIRS["opt"](torch.float32)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    first = _judge(case, tmp_path, "first", reference_trace)
+    runs = [pair for pair in first.alignment.pairs if pair.source == "run"]
+    assert runs and all(pair.reference_input for pair in runs), runs
+    frozen = tmp_path / "alignment.yaml"
+    frozen.write_text(first.alignment.to_yaml())
+    assert "reference_input: model.decoder.layers.{}.fc1" in frozen.read_text()
+    with planted(case.candidate, "blocks.1.mlp", "scale", 1e-2):
+        buggy = trace_model(case.candidate, case.candidate_call, tmp_path / "buggy")
+    fresh = compare_traces(reference_trace, buggy)
+    pinned = compare_traces(reference_trace, buggy, rules=load_rules(frozen), pinned=True)
+
+    def pairs(report):
+        return [(p.reference, p.candidate, p.reference_input, p.candidate_input) for p in report.alignment.pairs]
+
+    assert pairs(pinned) == pairs(fresh)
+    assert fresh.first_divergence.path == "model.decoder.layers.1.fc2"
+    assert pinned.first_divergence.path == fresh.first_divergence.path

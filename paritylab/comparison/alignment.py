@@ -14,7 +14,7 @@ import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,10 @@ class Rule:
     reference_part: Part | None = None
     candidate_part: Part | None = None
     """Compare only part of the last dimension (e.g. the q part of a fused qkv projection)."""
+    reference_input: str | None = None
+    """For a module paired with a run of modules: the module whose input stands for this side's input (the
+    run's first), a template filled like ``candidate``."""
+    candidate_input: str | None = None
 
     def match(self, path: str) -> str | bool | None:
         """The candidate path for reference ``path``, ``None`` if deliberately unmatched, ``False`` if no match."""
@@ -107,6 +111,20 @@ class Rule:
         except ValueError as error:
             raise AlignmentError(f"rule {self.reference!r} -> {self.candidate!r}: {error}") from error
 
+    def inputs(self, path: str) -> tuple[str | None, str | None]:
+        """The paths whose inputs stand for reference ``path``'s pair's inputs (``None``: the pair's own)."""
+        found = compile_pattern(self.reference).fullmatch(path)
+        if found is None:
+            return None, None
+
+        def filled(template: str | None) -> str | None:
+            try:
+                return None if template is None else fill(template, found)
+            except ValueError as error:
+                raise AlignmentError(f"rule {self.reference!r}: input {error}") from error
+
+        return filled(self.reference_input), filled(self.candidate_input)
+
     def to_yaml(self) -> dict[str, Any]:
         data: dict[str, Any] = {"reference": self.reference, "candidate": self.candidate}
         for side in ("reference", "candidate"):
@@ -116,6 +134,8 @@ class Rule:
             if part is not None:
                 kind, value = next(iter(part.to_yaml().items()))
                 data[f"{side}_{kind}"] = value
+            if getattr(self, f"{side}_input") is not None:
+                data[f"{side}_input"] = getattr(self, f"{side}_input")
         return data
 
 
@@ -137,7 +157,9 @@ def _rule(entry: object, position: int) -> Rule:
     if not isinstance(entry, Mapping) or "reference" not in entry or "candidate" not in entry:
         raise AlignmentError(f"rule #{position} needs 'reference' and 'candidate' keys (candidate may be null)")
     known = {"reference", "candidate"} | {
-        f"{side}_{kind}" for side in ("reference", "candidate") for kind in ("index", "slice", "chunk", "indices")
+        f"{side}_{kind}"
+        for side in ("reference", "candidate")
+        for kind in ("index", "slice", "chunk", "indices", "input")
     }
     unknown = set(entry) - known
     if unknown:
@@ -150,7 +172,16 @@ def _rule(entry: object, position: int) -> Rule:
         entry.get("candidate_index"),
         _part(entry, "reference", position),
         _part(entry, "candidate", position),
+        _input(entry, "reference", position),
+        _input(entry, "candidate", position),
     )
+
+
+def _input(entry: Mapping[str, Any], side: str, position: int) -> str | None:
+    value = entry.get(f"{side}_input")
+    if value is not None and not isinstance(value, str):
+        raise AlignmentError(f"rule #{position}: {side}_input must be a module path, got {value!r}")
+    return value
 
 
 def _part(entry: Mapping[str, Any], side: str, position: int) -> Part | None:
@@ -258,6 +289,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     ref_calls, cand_calls = reference.calls, candidate.calls
     folded_ref, folded_cand = _folded(ref_calls), _folded(cand_calls)
     cand_by_key = {call.key: call for i, call in enumerate(cand_calls) if i not in folded_cand}
+    ref_keys = {call.key for call in ref_calls}
     cand_position = {call.key: position for position, call in enumerate(cand_calls)}
     ref_prints = restrict_to_called(prints_from_meta(reference.meta), {call.path for call in ref_calls})
     cand_prints = restrict_to_called(prints_from_meta(candidate.meta), {call.path for call in cand_calls})
@@ -274,7 +306,7 @@ def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pin
     for position, call in enumerate(ref_calls):
         if position in folded_ref:
             continue
-        pair = _by_rule(call, rules, cand_by_key, lost)
+        pair = _by_rule(call, rules, cand_by_key, lost, ref_keys)
         if pair is None:
             ignored.append(call.key)
         elif isinstance(pair, Pair) and cand_position[pair.candidate] not in taken:
@@ -364,10 +396,11 @@ def _primary_input(call: CallRecord) -> Node | None:
 
 
 def _by_rule(
-    call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRecord], lost: list[str]
+    call: CallRecord, rules: list[Rule], cand_by_key: dict[str, CallRecord], lost: list[str], ref_keys: set[str]
 ) -> Pair | bool | None:
     """The pair a rule gives, ``None`` if a rule leaves the call unmatched, ``False`` if no rule applies
-    (a rule whose candidate call does not exist adds the reference call to ``lost``)."""
+    (a rule whose candidate call does not exist adds the reference call to ``lost``; so does a run's input
+    call that no longer exists)."""
     for rule in rules:
         target = rule.match(call.path)
         if target is False:
@@ -375,18 +408,27 @@ def _by_rule(
         if target is None:
             return None
         key = f"{target}#{call.call_index}"
-        if key not in cand_by_key:
+        ref_input, cand_input = (
+            None if path is None else f"{path}#{call.call_index}" for path in rule.inputs(call.path)
+        )
+        if (
+            key not in cand_by_key
+            or (ref_input and ref_input not in ref_keys)
+            or (cand_input and cand_input not in cand_by_key)
+        ):
             lost.append(call.key)
             return False
         return Pair(
             call.key,
             key,
-            "rule",
+            "run" if ref_input or cand_input else "rule",
             1.0,
             rule.reference_index,
             rule.candidate_index,
             rule.reference_part,
             rule.candidate_part,
+            ref_input,
+            cand_input,
         )
     return False
 
@@ -929,30 +971,44 @@ def _unique_paths(keys: Iterable[str]) -> list[str]:
 
 def _generalise(pairs: list[Pair]) -> list[Rule]:
     """Rules for the pairs: one ``{}`` rule per pattern whose layer numbers map the same on both sides."""
-    groups: dict[tuple[Any, ...], list[Pair]] = {}
+    groups: dict[Rule, list[Pair]] = {}
     for pair in pairs:
         ref_path, cand_path = _path(pair.reference), _path(pair.candidate)
         ref_numbers, cand_numbers = _NUMBER.findall(ref_path), _NUMBER.findall(cand_path)
-        generic = ref_numbers == cand_numbers and ref_numbers
-        key = (
-            _NUMBER.sub("{}", ref_path) if generic else ref_path,
-            _NUMBER.sub("{}", cand_path) if generic else cand_path,
+        generic = bool(ref_numbers == cand_numbers and ref_numbers)
+
+        def pattern(path: str, generic: bool = generic) -> str:
+            return _NUMBER.sub("{}", path) if generic else path
+
+        key = Rule(
+            pattern(ref_path),
+            pattern(cand_path),
             pair.reference_index,
             pair.candidate_index,
             pair.reference_part,
             pair.candidate_part,
+            None if pair.reference_input is None else pattern(_path(pair.reference_input)),
+            None if pair.candidate_input is None else pattern(_path(pair.candidate_input)),
         )
         groups.setdefault(key, []).append(pair)
     by_reference_pattern: dict[str, int] = {}
     for key in groups:
-        by_reference_pattern[key[0]] = by_reference_pattern.get(key[0], 0) + 1
+        by_reference_pattern[key.reference] = by_reference_pattern.get(key.reference, 0) + 1
     rules: list[Rule] = []
     for key, members in groups.items():
-        if by_reference_pattern[key[0]] == 1:
-            rules.append(Rule(*key))
+        if by_reference_pattern[key.reference] == 1:
+            rules.append(key)
         else:  # one reference pattern, several candidate patterns: spell each pair out
             for pair in members:
-                rules.append(Rule(_path(pair.reference), _path(pair.candidate), *key[2:]))
+                rules.append(
+                    replace(
+                        key,
+                        reference=_path(pair.reference),
+                        candidate=_path(pair.candidate),
+                        reference_input=None if pair.reference_input is None else _path(pair.reference_input),
+                        candidate_input=None if pair.candidate_input is None else _path(pair.candidate_input),
+                    )
+                )
     return _dedupe(rules)
 
 
