@@ -176,6 +176,32 @@ def test_low_precision_tolerates_rounding_but_not_a_wrong_scale(dtype):
     assert "mul" in [op.name for op in found.operations] and "constants: 0.53033" in found.message, found.message
 
 
+class TransposedScores(WrittenOutAttention):
+    """Scores formed as ``k @ q^T`` (keys by queries, the transpose of the reference's), softmax over keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        weights = ((k @ q.transpose(-1, -2)) * self.scale).softmax(dim=-2)
+        return self.out((weights.transpose(-1, -2) @ v).transpose(1, 2).reshape(b, t, DIM))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wrong_scale_on_transposed_scores_is_named_in_any_precision(dtype):
+    """In low precision, values are matched in another layout through permutations of their dimensions (sorted
+    values, used at full precision, are too alike at bf16's tolerance): the transposed scores are the
+    reference's, so the scaling is named."""
+    reference, _, x = _pair()
+    run = lambda model: model(x.to(dtype))  # noqa: E731
+    clean = TransposedScores(reference).to(dtype)
+    found = drill_into(reference.to(dtype), run, "#0", clean, run, "#0", lambda _: nullcontext(), dtype)
+    assert found.value is None, found.message
+    clean.scale *= 1.5
+    found = drill_into(reference, run, "#0", clean, run, "#0", lambda _: nullcontext(), dtype)
+    assert found.operation == "mul", found.message
+    assert found.operations[0].scalars == [f"{clean.scale:.6g}"] and found.counterparts[0].name == "mul"
+
+
 def test_a_difference_only_the_compiled_graph_makes_is_said_to_be_the_graph():
     """The eager code agrees; under torch.compile the module computes something else (here on purpose, as a
     compiler bug would): the drill-down says the compiled graph made it, not an operation of the code."""

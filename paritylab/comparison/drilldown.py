@@ -18,6 +18,7 @@ candidate's computation leaves the reference's for good. Fused functions (``scal
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -423,31 +424,85 @@ def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 class _Distance:
-    """Relative L2 distance between flattened values, in element order or (``layout_free``) in sorted order,
-    which no reshape, transpose or head split changes; sorted copies are made once per value."""
+    """Relative L2 distance between flattened values: in element order, then either (``layout_free``) in sorted
+    order, which no reshape, transpose or head split changes, or (low precision, where sorted values of any
+    two similar tensors are close) through the permutations of dimensions that map one shape onto the other
+    (``shapes``: value key -> shape). Sorted copies are made once per value."""
 
-    def __init__(self, layout_free: bool) -> None:
+    def __init__(self, layout_free: bool, shapes: Mapping[int, list[int]] | None = None) -> None:
         self.layout_free = layout_free
+        self.shapes = shapes or {}
         self.sorted: dict[int, torch.Tensor] = {}
 
     def __call__(
         self, key: int, data: torch.Tensor, norm: float, other_key: int, other: torch.Tensor, other_norm: float,
-        bound: float,
+        bound: float, tolerance: float = 0.0,
     ) -> tuple[float, bool]:  # fmt: skip
-        """(distance, matched only out of order); ``inf`` when it cannot be below ``bound``."""
+        """(distance, matched only out of order); ``inf`` when it cannot be below ``bound``. Other layouts are
+        tried unless the element order is already within ``tolerance``."""
         scale = max(other_norm, 1e-30)
         if data.numel() != other.numel() or abs(norm - other_norm) / scale > bound:  # a lower bound of both
             return math.inf, False
         distance = float(torch.linalg.vector_norm(data - other)) / scale
-        if distance <= bound or not self.layout_free:
+        if distance <= tolerance:
             return distance, False
+        if not self.layout_free:
+            moved = min(
+                (float(torch.linalg.vector_norm(mine - theirs)) / scale for mine, theirs in self._views(key, data,
+                 other_key, other)),
+                default=math.inf,
+            )  # fmt: skip
+            return (moved, True) if moved < distance else (distance, False)
         by_value = float(torch.linalg.vector_norm(self._sorted(key, data) - self._sorted(other_key, other))) / scale
         return (by_value, True) if by_value < distance else (distance, False)
+
+    def _views(
+        self, key: int, data: torch.Tensor, other_key: int, other: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Both values flattened after permuting one's dimensions so that its shape groups into the other's
+        (``[b, h, t, d]`` read as ``[b, t, h * d]``, or a transposed ``[t, s]``), at most :data:`_VIEWS` of them."""
+        mine = [size for size in self.shapes.get(key, []) if size != 1]
+        theirs = [size for size in self.shapes.get(other_key, []) if size != 1]
+        if not mine or not theirs or max(len(mine), len(theirs)) > 5:
+            return
+        found = 0
+        for order in itertools.permutations(range(len(theirs))):
+            if found < _VIEWS and list(order) != sorted(order) and _groups([theirs[i] for i in order], mine):
+                found += 1
+                yield data, other.reshape(theirs).permute(order).reshape(-1)
+        for order in itertools.permutations(range(len(mine))):
+            if found < _VIEWS and list(order) != sorted(order) and _groups([mine[i] for i in order], theirs):
+                found += 1
+                yield data.reshape(mine).permute(order).reshape(-1), other
 
     def _sorted(self, key: int, data: torch.Tensor) -> torch.Tensor:
         if key not in self.sorted:
             self.sorted[key] = torch.sort(data).values
         return self.sorted[key]
+
+
+_VIEWS = 8
+"""Permuted layouts tried per pair of values in low precision."""
+
+
+def _groups(fine: list[int], coarse: list[int]) -> bool:
+    """Whether ``fine``'s sizes, in order, multiply into ``coarse``'s (``[2, 6, 4, 8]`` into ``[2, 6, 32]``)."""
+    position = 0
+    for size in coarse:
+        product = 1
+        while product < size and position < len(fine):
+            product *= fine[position]
+            position += 1
+        if product != size:
+            return False
+    return position == len(fine)
+
+
+def _shapes(reference: Recording, candidate: Recording) -> dict[int, list[int]]:
+    """Value shapes under the keys :class:`_Distance` is called with (candidate values: ``-1 - index``)."""
+    shapes = {value.index: value.shape for value in reference.values}
+    shapes.update({-1 - value.index: value.shape for value in candidate.values})
+    return shapes
 
 
 def _match(reference: Recording, candidate: Recording, tolerance: float, layout_free: bool) -> dict[int, set[int]]:
@@ -457,7 +512,7 @@ def _match(reference: Recording, candidate: Recording, tolerance: float, layout_
     for value, tensor in zip(reference.values, reference.tensors, strict=True):
         if tensor is not None and tensor.numel():
             pool.setdefault(tensor.numel(), []).append((value.index, *_flat(tensor)))
-    distance = _Distance(layout_free)
+    distance = _Distance(layout_free, _shapes(reference, candidate))
     equals: dict[int, set[int]] = {}
     for value, tensor in zip(candidate.values, candidate.tensors, strict=True):
         if tensor is None or not tensor.numel():
@@ -465,7 +520,9 @@ def _match(reference: Recording, candidate: Recording, tolerance: float, layout_
         data, norm = _flat(tensor)
         best, best_index, layout = math.inf, None, False
         for index, other, other_norm in pool.get(data.numel(), []):
-            found, moved = distance(-1 - value.index, data, norm, index, other, other_norm, max(tolerance, best))
+            found, moved = distance(
+                -1 - value.index, data, norm, index, other, other_norm, max(tolerance, best), tolerance
+            )
             if found <= tolerance:
                 equals.setdefault(value.index, set()).add(index)
             if found < best:
@@ -593,7 +650,7 @@ def _stretch(
     downstream = _descendants(candidate, value.index)
     if direct:
         downstream = {value.index}
-    distance = _Distance(layout_free)
+    distance = _Distance(layout_free, _shapes(reference, candidate))
     best, end = math.inf, None
     for number in sorted(downstream):
         tensor = candidate.tensors[number]
