@@ -25,10 +25,11 @@ def _whole_graph_only(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
     return run
 
 
-def _pair(backend):
+def _pair(backend, fullgraph: bool = False):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 4))
-    return reference.eval(), torch.compile(copy.deepcopy(reference), backend=backend), torch.randn(3, 8)
+    compiled = torch.compile(copy.deepcopy(reference), backend=backend, fullgraph=fullgraph)
+    return reference.eval(), compiled, torch.randn(3, 8)
 
 
 def test_a_difference_only_the_whole_graph_makes_fails_the_run(tmp_path):
@@ -77,3 +78,17 @@ def test_a_whole_graph_that_does_not_run_fails_and_one_not_run_is_no_pass(tmp_pa
     )  # fmt: skip
     assert skipped.verdict == "inconclusive" and skipped.exit_code == 3
     assert headline(skipped.report).startswith("INCONCLUSIVE: every traced module agrees, but the compiled candidate")
+
+
+def test_a_fullgraph_candidate_is_traced_eagerly_and_its_one_graph_judged(tmp_path):
+    """``fullgraph=True`` forbids the graph break each traced module needs: the module calls are traced as eager
+    code, and the compiled graph is judged by its output."""
+    reference, candidate, x = _pair("aot_eager", fullgraph=True)
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=lambda model: model(x), replay=False)
+    assert clean.verdict == "pass" and clean.candidate.meta["traced_eagerly"] is True
+    assert len(clean.candidate.calls) == len(clean.reference.calls)  # every module call, as the reference's
+    assert "eager tracing hid nothing" in clean.report.whole_graph["message"]
+    reference, candidate, x = _pair(_whole_graph_only, fullgraph=True)
+    buggy = check(reference, candidate, tmp_path / "buggy", reference_call=lambda model: model(x), replay=False)
+    assert buggy.verdict == "fail" and all(row.verdict == "pass" for row in buggy.report.rows)
+    assert "Eager tracing hid it" in buggy.report.whole_graph["message"]

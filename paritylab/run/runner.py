@@ -361,7 +361,9 @@ class _Session:
             raise
         trace = Trace.load(self.directory / side)
         untraced = trace.meta.get("modules_not_called") or []
-        if tracer.compiled:
+        if tracer.fullgraph:
+            self.notes.append(f"{side}: compiled with fullgraph=True: traced eagerly, its one graph checked by output")
+        elif tracer.compiled:
             self.notes.append(f"{side}: compiled model, {trace.meta['calls']} calls traced with graph breaks")
         if untraced:
             self.notes.append(f"{side}: {len(untraced)} selected modules were never called")

@@ -70,16 +70,18 @@ def check_whole_graph(
         "traced_rel_l2": against_traced["rel_l2"],
         "traced_max_abs": against_traced["max_abs"],
     }
+    eager = bool(candidate.meta.get("traced_eagerly"))  # fullgraph=True: traced as eager code, not in pieces
+    hidden = "eager tracing" if eager else "the graph breaks the tracer inserts"
     if passed:
         result["message"] = (
             f"the compiled candidate run as one graph agrees: output rel_l2 {result['rel_l2']:.3g} against the "
-            f"reference, {result['traced_rel_l2']:.3g} against its traced run (the graph breaks hid nothing)"
+            f"reference, {result['traced_rel_l2']:.3g} against its traced run ({hidden} hid nothing)"
         )
     else:
         result["message"] = (
             f"the compiled candidate run as one graph (no tracing hooks, so no graph breaks) differs: output "
             f"rel_l2 {result['rel_l2']:.3g} against the reference, {result['traced_rel_l2']:.3g} against its own "
-            "traced run. The graph breaks the tracer inserts hid it, so no module can be named inside the graph; "
+            f"traced run. {hidden[0].upper() + hidden[1:]} hid it, so no module can be named inside the graph; "
             "candidate.backend=aot_eager tells capture from lowering"
         )
     return result

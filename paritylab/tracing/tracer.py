@@ -94,6 +94,9 @@ class Tracer:
 
     def __init__(self, model: nn.Module, directory: str | Path | None = None, options: TraceOptions | None = None):
         self.compiled = is_compiled(model)
+        self.fullgraph = self.compiled and bool(getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False))
+        """Compiled with ``fullgraph=True``, which forbids the graph break each traced module needs: traced
+        eagerly instead (``torch.compiler.set_stance("force_eager")``); its one graph is checked by output."""
         self.model: nn.Module = cast(nn.Module, model._orig_mod) if self.compiled else model
         self.options = options or TraceOptions()
         self.directory = Path(directory) if directory is not None else None
@@ -146,6 +149,8 @@ class Tracer:
             raise
         if not self.options.grad:
             self._exit.enter_context(torch.no_grad())
+        if self.fullgraph:
+            self._exit.enter_context(torch.compiler.set_stance("force_eager"))
         return self.trace
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
@@ -165,7 +170,7 @@ class Tracer:
             if matching:
                 self._captures[path] = matching
             pre_hook, post_hook = self._pre_hook(path), self._post_hook(path)
-            if self.compiled:  # graph-break at each traced module rather than compiling the tracer
+            if self.compiled and not self.fullgraph:  # graph-break at each traced module, not compile the tracer
                 pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
@@ -370,6 +375,7 @@ class Tracer:
             "calls": len(self.trace.calls),
             "modules_selected": len(self._selected),
             "compiled": self.compiled,
+            "traced_eagerly": self.fullgraph,
             "modules_not_called": [p for p in self._selected if p not in called],
             "options": {
                 "include": list(self.options.include),
