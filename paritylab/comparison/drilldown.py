@@ -447,11 +447,8 @@ class _Distance:
         if distance <= tolerance:
             return distance, False
         if not self.layout_free:
-            moved = min(
-                (float(torch.linalg.vector_norm(mine - theirs)) / scale for mine, theirs in self._views(key, data,
-                 other_key, other)),
-                default=math.inf,
-            )  # fmt: skip
+            views = self._views(key, data, other_key, other)
+            moved = min((float(torch.linalg.vector_norm(a - b)) / scale for a, b in views), default=math.inf)
             return (moved, True) if moved < distance else (distance, False)
         by_value = float(torch.linalg.vector_norm(self._sorted(key, data) - self._sorted(other_key, other))) / scale
         return (by_value, True) if by_value < distance else (distance, False)

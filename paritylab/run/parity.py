@@ -211,6 +211,28 @@ def judge_with_replay(
     return attach_replay(report, reference_trace, replayed, tolerances, local, own), floors
 
 
+def judge_whole_graph(
+    report: Report,
+    candidate: nn.Module,
+    candidate_call: Call,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    enabled: bool = True,
+    skipped_by: str = "whole_graph=False",
+) -> Report:
+    """For a ``torch.compile`` candidate, ``report`` with the verdict of the candidate run once more untraced,
+    as one graph (:mod:`paritylab.run.whole_graph`: what the tracer's graph breaks could hide); not enabled, it
+    says so (``skipped_by``) and the run is inconclusive at best. Any other candidate: ``report`` as it is."""
+    if not is_compiled(candidate) or report.errors:
+        return report
+    graph = (
+        check_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace)
+        if enabled
+        else not_checked(skipped_by)
+    )
+    return replace(report, whole_graph=graph)
+
+
 def check(
     reference: nn.Module,
     candidate: nn.Module,
@@ -255,13 +277,7 @@ def check(
             free_run, candidate, candidate_call, reference_trace, candidate_trace, directory,
             tolerances=tolerances, floors=floors,
         )  # fmt: skip
-    if is_compiled(candidate) and not report.errors:  # what the tracer's graph breaks could hide
-        graph = (
-            check_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace)
-            if whole_graph
-            else not_checked("whole_graph=False")
-        )
-        report = replace(report, whole_graph=graph)
+    report = judge_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace, whole_graph)
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
 
 

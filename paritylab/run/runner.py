@@ -38,12 +38,12 @@ from paritylab.run.parity import (
     ParityResult,
     compare,
     estimate_floors,
+    judge_whole_graph,
     judge_with_replay,
     low_precision,
     match_weight_grids,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
-from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment
@@ -266,11 +266,12 @@ class _Session:
         if is_compiled(candidate.model) and not report.errors:
             if cfg.compare.whole_graph:
                 self.echo("paritylab: the compiled candidate as one graph (untraced)")
-                model = candidate.model.to(self.device)
-                graph = check_whole_graph(report, model, cand_run, ref_trace, cand_trace)
-            else:
-                graph = not_checked("compare.whole_graph=false")
-            report = self._keep(dataclasses.replace(report, whole_graph=graph))
+            report = self._keep(
+                judge_whole_graph(
+                    report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace,
+                    bool(cfg.compare.whole_graph), "compare.whole_graph=false",
+                )
+            )  # fmt: skip
             self._mark("whole graph")
         if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
             found = self._drill_down(report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
