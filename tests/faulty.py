@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from experiments.llava_port import from_reference
 
 
-def scaled_port(reference: nn.Module, module: str, scale: float = 1.01) -> nn.Module:
-    """The LLaVA port with one module's output scaled: a bug at a known place."""
+def scaled_port(reference: nn.Module, module: str, scale: float = 1.01, dtype: str | None = None) -> nn.Module:
+    """The LLaVA port with one module's output scaled: a bug at a known place (the port cast to ``dtype``)."""
     port = from_reference(reference)
+    if dtype is not None:
+        port = port.to(getattr(torch, dtype))
 
     def hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         return output * scale
@@ -57,7 +60,6 @@ def decode_bug_port(reference: nn.Module, bug: str, step: int = 2) -> nn.Module:
     """The LLaVA port with a bug that first changes a value at decode step ``step`` (step 0 is the prompt):
     ``position`` (positions one too far), ``stale`` (the cache keeps a stale copy of the keys and values written
     the step before, read from ``step`` on), or ``mask`` (the decode mask hides the first token)."""
-    import torch
 
     from experiments.llava_port import model as port_model
 

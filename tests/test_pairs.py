@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, trace_model
+from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
 from paritylab.tracing.tracefile import Trace
 from tests.pairs import PAIRS, SEED, planted, transformer_lens_available, unavailable
 
@@ -19,10 +19,13 @@ PAIR_NAMES = [
 
 
 def _judge(case, tmp_path, tag, reference_trace, floors=None):
+    """The run's phases as ``check()`` chains them (a low-precision candidate also gets the lifted replay)."""
     candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / tag / "candidate")
+    match_weight_grids(case.reference, case.candidate, reference_trace, candidate_trace)
     return compare_and_replay(
-        reference_trace, candidate_trace, case.candidate, case.candidate_call, tmp_path / tag, floors=floors
-    )
+        reference_trace, candidate_trace, case.candidate, case.candidate_call, tmp_path / tag, floors=floors,
+        reference=case.reference, reference_call=case.reference_call,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -170,6 +173,31 @@ def test_a_tenth_of_a_percent_offset_under_bf16_rounding_is_named(tmp_path):
     assert named == expected
 
 
+BF16_NOISE_SITES = {"gpt2": ["blocks.0.attn", "blocks.1.mlp"], "llava": ["vit.blocks.0.mlp.2", "llm.layers.0.attention.wo"]}
+
+
+@pytest.mark.parametrize("name", [n for n in PAIR_NAMES if n.values[0] in BF16_NOISE_SITES])
+def test_noise_of_a_tenth_of_a_percent_in_a_bf16_candidate_is_named(name, tmp_path):
+    """Noise of 0.1 % is a quarter of the rounding every bf16 value carries: nothing in the bf16 run tells it
+    from a clean candidate computed in another order. The lifted replay (both sides in float32, with the
+    candidate's bf16 weights) has no rounding to hide it in, and names the module."""
+    case = PAIRS[name](torch.bfloat16)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
+    )
+    named = {}
+    for number, site in enumerate(BF16_NOISE_SITES[name]):
+        with planted(case.candidate, site, "noise", 1e-3):
+            report = _judge(case, tmp_path, f"{number}", reference_trace, floors)
+        culprit = report.first_divergence
+        named[site] = (culprit.path, "computed in float32" in culprit.note) if culprit else None
+    assert named == {site: (case.sites[site][0], True) for site in BF16_NOISE_SITES[name]}
+
+
+BF16_CODE_BUGS = ["gpt2-gelu_variant", "gpt2-attention_scale", "opt-attention_scale", "vit-vit_gelu_variant"]
+
+
 def _eps(model):
     model.blocks[0].ln2.eps = 1e-2
 
@@ -294,6 +322,27 @@ def test_code_level_bugs_are_named_exactly(name, bug, expected, tmp_path):
     if constant is not None:
         assert constant in [item for op in found.operations for item in op.scalars], found.message
     assert found.value.op == found.operations[0].index  # the first operation is where the values part
+
+
+@pytest.mark.parametrize(
+    ("name", "bug", "expected"),
+    [c for c in CODE_BUGS if f"{c[0]}-{c[1].__name__[1:]}" in BF16_CODE_BUGS],
+    ids=BF16_CODE_BUGS,
+)
+def test_code_level_bugs_under_bf16_rounding_are_named(name, bug, expected, tmp_path):
+    """In bf16 the tanh GELU and a wrong attention scale stay under the rounding of every value; with the
+    candidate's bf16 weights in float32 they do not (the full list: README, bf16 code-level bugs)."""
+    if unavailable(name):
+        pytest.skip(unavailable(name))
+    case = PAIRS[name](torch.bfloat16)
+    bug(case.candidate)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
+    )
+    report = _judge(case, tmp_path, "buggy", reference_trace, floors)
+    assert not report.passed and report.first_divergence.path == expected, report.culprit_reason
+    assert report.origins[0] is report.first_divergence
 
 
 DRILLED = {

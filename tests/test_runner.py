@@ -151,6 +151,30 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
     assert not [a for a in client.list_artifacts(loose.run_id, "candidate") if a.path.endswith(".safetensors")]
 
 
+def test_a_bug_under_bf16_rounding_in_a_bf16_port_is_named_through_the_app(tmp_path):
+    """A ×1.001 gain in one projection of the port cast to bf16: under bf16's rounding, so only the lifted
+    replay (both sides in float32 with the port's bf16 weights) sees it; the run fails and names it, and its
+    phase is timed like the others."""
+    result, client = run_with(
+        tmp_path,
+        "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+        "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
+        "+candidate.ports.llava.build.scale=1.001",
+        "+candidate.ports.llava.build.dtype=bfloat16",
+        "compare.drilldown=false",
+    )
+    assert result.exit_code == EXIT_FAIL
+    tags = client.get_run(result.run_id).data.tags
+    assert tags["paritylab.first_divergence"] == "model.language_model.layers.1.mlp.down_proj"
+    culprit = result.report.first_divergence
+    assert "with the same bfloat16 weights computed in float32" in culprit.note
+    assert 5e-4 < culprit.local["lifted_rel_l2"] < 2e-3
+    run = json.loads((result.directory / "run.json").read_text())
+    assert run["seconds"]["lifted replay"] > 0
+    metrics = client.get_run(result.run_id).data.metrics
+    assert metrics["seconds/lifted_replay"] == pytest.approx(run["seconds"]["lifted replay"], abs=0.01)
+
+
 def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     result, client = run_with(
         tmp_path,

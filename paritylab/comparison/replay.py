@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, merged, primary_slot
+from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.metrics import Tolerances, systematic_z
 from paritylab.comparison.report import (
     Report,
@@ -184,6 +185,7 @@ def attach_replay(
     tolerances: Tolerances | None = None,
     local_floor: Mapping[str, Mapping[str, float]] | None = None,
     floor_replay: Trace | None = None,
+    lifted: LiftedReplay | None = None,
 ) -> Report:
     """The free-run ``report`` judged again with the replay: a new report (``report`` is left as it is) whose
     rows' ``local`` hold the replay's error, the inherited (input) error and the amplification, with one
@@ -195,8 +197,11 @@ def attach_replay(
     :func:`beyond_floor`. Such a module fails the run. ``floor_replay``: that low-precision reference's own
     isolated replay (its outputs); each module's replayed output is then also tested against it for a
     systematic part (:func:`~paritylab.comparison.metrics.systematic_z`), which finds gains and offsets far
-    below the rounding of single values.
+    below the rounding of single values. ``lifted`` (a low-precision candidate): both sides replayed in
+    float32 with the same weights (:mod:`paritylab.comparison.lifted`); a module whose own code differs there
+    fails as well.
     """
+    lifted_rows = lifted.judged(tolerances) if lifted is not None else {}
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
     report = report.copy()
     local_rows = {row.index: row for row in replay_report.rows}
@@ -223,7 +228,20 @@ def attach_replay(
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
                 diverged, reason = False, None
+        lifted_row = lifted_rows.get(row.reference.key)
+        if not diverged and lifted is not None:
+            why = lifted.own_error(lifted_row)
+            parent = by_index.get(row.parent) if row.parent is not None else None
+            if why is not None:  # its code, not the precision: the same weights in float32 disagree
+                diverged, reason = True, why
+            elif parent is not None and lifted.gave_another_input(lifted_row, lifted_rows.get(parent.reference.key)):
+                note = f"its own code between its children gives {row.path or '<root>'} a value the reference does not"
+                note += f", with the same {lifted.dtype} weights computed in float32 (lifted replay)"
+                fed_wrong.setdefault(parent.index, (parent, note))
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
+        lifted_error = relative_error(lifted_row.metrics) if lifted_row is not None else None
+        if lifted_error is not None:
+            row.local["lifted_rel_l2"] = lifted_error
         if floor is not None:
             row.local["local_floor"] = floor["rel_l2"]
         if systematic is not None:  # z-scores of its gain and offset against the reference's own rounding

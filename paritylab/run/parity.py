@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment, Rule, align
+from paritylab.comparison.lifted import LIFTED_DTYPE, LiftedReplay, lifts, same_weights, unwrap
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import attach_replay, isolated_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
@@ -84,13 +85,14 @@ def estimate_floors(
 ) -> Floors:
     """The reference's free-run and local noise floors at ``dtype`` (see :class:`Floors`).
 
-    ``cast_inputs(dtype)`` gives the call that runs a copy of the reference in ``dtype`` (floating-point
-    inputs cast); by default ``call`` itself is used for every copy. ``low_trace``: the reference's trace at
+    ``cast_inputs(dtype)`` gives the call that runs a copy of the reference in ``dtype``; by default
+    ``call`` with every floating-point tensor it passes to the forward cast to ``dtype``
+    (:func:`cast_call`). ``low_trace``: the reference's trace at
     ``dtype`` when it exists already (a candidate that is the reference cast to ``dtype``); then only the free
     run's floor is estimated here, and the local floors come from that candidate's own isolated replay
     (:func:`local_floors`), which is the same computation.
     """
-    runner = cast_inputs or (lambda _: call)
+    runner = cast_inputs or (lambda dtype: cast_call(call, dtype))
     exact_model = converted_copy(reference, torch.float64)
     exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
     del exact_model
@@ -187,6 +189,114 @@ def compare(
     )
 
 
+def lift(
+    reference: nn.Module,
+    reference_call: Call,
+    candidate: nn.Module,
+    candidate_call: Call,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    directory: Path,
+    notes: list[str] | None = None,
+) -> LiftedReplay | None:
+    """The lifted replay (:mod:`paritylab.comparison.lifted`): when the candidate holds bfloat16 or float16
+    weights and the reference wider ones, both replayed in float32 with the candidate's weights (the reference's
+    parameters rounded), so each module's code is judged without its precision's rounding. ``None`` when it
+    does not apply: no low-precision candidate, or no pair whose weights are provably the same; or when a
+    float32 copy cannot run as its original did (said in ``notes``: the lifted replay only adds findings, so
+    the low-precision judgement then stands alone)."""
+    dtype = lifts(reference, candidate)
+    if dtype is None:
+        return None
+    reference, candidate = unwrap(reference), unwrap(candidate)
+    eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype)
+    if not eligible:
+        return None
+    traces: list[Trace] = []
+    steps = (  # one float32 copy alive at a time
+        lambda: trace_model(
+            converted_copy(reference, LIFTED_DTYPE, rounded_to=dtype), widened(reference_call, dtype),
+            directory / "lifted-reference", capture=None, fingerprint=False,
+        ),
+        lambda: isolated_replay(
+            configured_wide(converted_copy(candidate, LIFTED_DTYPE), dtype), widened(candidate_call, dtype), traces[0],
+            candidate_trace, alignment, directory / "lifted-candidate",
+        ),
+    )  # fmt: skip
+    for step, own_trace in zip(steps, (reference_trace, candidate_trace), strict=True):
+        try:
+            made = step()
+        except Exception as error:  # the user's code, run in float32
+            problem = f"{type(error).__name__}: {error}"
+        else:
+            if [c.key for c in made.calls] == [c.key for c in own_trace.calls]:
+                traces.append(made)
+                continue
+            problem = "a float32 copy made other module calls than its original"
+        if notes is not None:
+            notes.append(f"lifted replay skipped: {problem}")
+        return None
+    return LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment)
+
+
+def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with every attribute naming ``dtype`` as the precision to compute in, on its modules and on
+    the objects they hold (a config such as TransformerLens' ``cfg.dtype``, which its norms and attention cast
+    to), set to float32: the lifted copy's code then rounds nowhere. ``model`` is a copy: changed in place."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for owner in (module, *(v for v in vars(module).values() if _plain_object(v))):
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for name, value in list(vars(owner).items()):
+                if value == dtype and isinstance(value, torch.dtype):
+                    object.__setattr__(owner, name, LIFTED_DTYPE)
+    return model
+
+
+def _plain_object(value: Any) -> bool:
+    """An object holding settings (a config), not a module, tensor, container or class."""
+    return hasattr(value, "__dict__") and not isinstance(value, nn.Module | torch.Tensor | type)
+
+
+def widened(call: Call, dtype: torch.dtype) -> Call:
+    """``call`` for a lifted copy: every floating-point tensor it passes to the model's forward rounded to
+    ``dtype`` (what the low-precision candidate itself is given) and then given in float32, so both lifted
+    copies start from the same values, whether a call passes float32 inputs or already rounded ones."""
+    return cast_call(call, LIFTED_DTYPE, rounded_to=dtype)
+
+
+def cast_call(call: Call, dtype: torch.dtype, rounded_to: torch.dtype | None = None) -> Call:
+    """``call``, with every floating-point tensor it passes to the model's forward given in ``dtype`` (first
+    rounded to ``rounded_to``): the call a copy of the model converted to ``dtype`` needs."""
+
+    def run(model: nn.Module) -> Any:
+        def cast(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return _cast(args, dtype, rounded_to), _cast(kwargs, dtype, rounded_to)
+
+        handle = model.register_forward_pre_hook(cast, with_kwargs=True, prepend=True)  # before the tracer's
+        try:
+            return call(model)
+        finally:
+            handle.remove()
+
+    return run
+
+
+def _cast(value: Any, dtype: torch.dtype, rounded_to: torch.dtype | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return value
+        return (value.to(rounded_to) if rounded_to is not None else value).to(dtype)
+    if isinstance(value, tuple | list):
+        return type(value)(_cast(item, dtype, rounded_to) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype, rounded_to) for key, item in value.items()}
+    return value
+
+
 def judge_with_replay(
     report: Report,
     candidate: nn.Module,
@@ -197,6 +307,7 @@ def judge_with_replay(
     *,
     tolerances: Tolerances | None = None,
     floors: Floors | None = None,
+    lifted: LiftedReplay | None = None,
 ) -> tuple[Report, Floors | None]:
     """Isolated replay: the candidate run again with every aligned output replaced by the reference's value.
     Returns ``report`` judged again with each module's own error (a new report) and the floors used: when the
@@ -208,7 +319,7 @@ def judge_with_replay(
     if floors is not None and floors.from_candidate:
         floors = replace(floors, local_metrics=local_floors(reference_trace, replayed, report.alignment))
     local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
-    return attach_replay(report, reference_trace, replayed, tolerances, local, own), floors
+    return attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted), floors
 
 
 def judge_whole_graph(
@@ -273,9 +384,13 @@ def check(
     )  # fmt: skip
     report = free_run
     if replay and not free_run.errors and free_run.alignment.pairs:
+        lifted = lift(
+            reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace,
+            free_run.alignment, directory,
+        )  # fmt: skip
         report, floors = judge_with_replay(
             free_run, candidate, candidate_call, reference_trace, candidate_trace, directory,
-            tolerances=tolerances, floors=floors,
+            tolerances=tolerances, floors=floors, lifted=lifted,
         )  # fmt: skip
     report = judge_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace, whole_graph)
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
@@ -292,15 +407,24 @@ def compare_and_replay(
     tolerances: Tolerances | None = None,
     floors: Floors | None = None,
     noise_multiple: float = 4.0,
+    reference: nn.Module | None = None,
+    reference_call: Call | None = None,
 ) -> Report:
-    """:func:`compare`, then (given the candidate model) :func:`judge_with_replay`: the final report."""
+    """:func:`compare`, then (given the candidate model) :func:`judge_with_replay`: the final report. Given the
+    reference model and its call too, a low-precision candidate is also judged by :func:`lift`."""
     report = compare(
         reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
         noise_multiple=noise_multiple,
     )  # fmt: skip
     if candidate is None or report.errors or not report.alignment.pairs:
         return report
+    lifted = None
+    if reference is not None and reference_call is not None:
+        lifted = lift(
+            reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace,
+            report.alignment, directory,
+        )  # fmt: skip
     return judge_with_replay(
         report, candidate, candidate_call, reference_trace, candidate_trace, directory,
-        tolerances=tolerances, floors=floors,
+        tolerances=tolerances, floors=floors, lifted=lifted,
     )[0]  # fmt: skip

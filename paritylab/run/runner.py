@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from paritylab.comparison.alignment import Rule, load_rules
+from paritylab.comparison.lifted import lifts
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
 from paritylab.reports.plots import write_plots
@@ -40,6 +41,7 @@ from paritylab.run.parity import (
     estimate_floors,
     judge_whole_graph,
     judge_with_replay,
+    lift,
     low_precision,
     match_weight_grids,
 )
@@ -256,10 +258,18 @@ class _Session:
         report = self._keep(free_run)
         self._mark("compare")
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
+            lifted = None
+            if candidate.cast_of is None and lifts(reference, candidate.model) is not None:
+                self.echo("paritylab: lifted replay (both sides in float32 with the candidate's weights)")
+                lifted = lift(
+                    reference.to(self.device), ref_run, candidate.model.to(self.device), cand_run, ref_trace,
+                    cand_trace, report.alignment, self.directory, notes=self.notes,
+                )  # fmt: skip
+                self._mark("lifted replay")
             self.echo("paritylab: isolated replay")
             report, floors = judge_with_replay(
                 report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace, self.directory,
-                tolerances=tolerances, floors=floors,
+                tolerances=tolerances, floors=floors, lifted=lifted,
             )  # fmt: skip
             self._keep(report)
             self._mark("replay")

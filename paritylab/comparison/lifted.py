@@ -1,0 +1,242 @@
+"""Lifted replay: a low-precision candidate's code checked in float32, with the very weights it holds.
+
+In bfloat16 a module's own rounding error is 2e-3 to 4e-3 of its output, so an error of 1e-3 in its code (a
+gain, an offset, noise, an eps, an activation variant) hides under it. Rounding belongs to the precision,
+not to the code: run the candidate's modules in float32 and the error is gone, except that its weights are
+rounded. Run the reference in float32 with its parameters rounded to the candidate's precision, and the two
+hold the same weights bit for bit. The candidate's float32 copy is then replayed in isolation on that run
+(every aligned module's output replaced by its counterpart's, so each module is fed what its counterpart
+was), and what still differs between a module and its counterpart is code, judged against float32
+tolerances as an fp32 candidate's would be.
+
+That only holds where the weights are provably the same, so a module is judged this way only when:
+
+- its subtree's parameters and its counterpart's, rounded to the candidate's precision, have the same
+  fingerprint (:mod:`paritylab.tracing.structure`: the same values, whatever the layout or fusion), and the
+  candidate's parameters there are all in that precision (a norm kept in float32 is not rounded);
+- its subtree holds no other floating-point tensor that rounding may have changed (a rotary table or inverse
+  frequencies cast with the model; integers, powers of two and mask fills survive any cast);
+- for a fused module paired by parts (one qkv against q, k and v) or a module paired with a run of modules
+  (an MLP against its two projections), the same holds for the fused module against all its parts' pairs,
+  or for the module against the whole run;
+- in the lifted replay, every floating-point value it received is one its counterpart received.
+
+Everywhere else the low-precision judgement alone decides. The lifted replay only adds findings: code that
+behaves differently *only* at low precision (an fp16 overflow) is still the low-precision judgement's to find.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paritylab.comparison.alignment import Alignment, Pair
+from paritylab.comparison.metrics import Tolerance, Tolerances
+from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, compare_traces, relative_error, slot_value
+from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
+from paritylab.tracing.tracefile import CallRecord, Trace
+from paritylab.tracing.values import iter_tensors
+
+LIFTED_DTYPE = torch.float32
+"""What both sides compute in: wide enough that rounding is far below any error worth naming (fp32 pairs of
+independent implementations agree to about 1e-6), and as fast as the plain forward."""
+
+
+@dataclass(frozen=True)
+class LiftedReplay:
+    """Both sides replayed in float32 with the candidate's low-precision weights (see the module's text)."""
+
+    dtype: str
+    """The candidate's precision, whose weights both sides hold (``bfloat16``, ``float16``)."""
+    reference: Trace
+    """The reference, parameters rounded to :attr:`dtype`, run in float32."""
+    candidate: Trace
+    """The candidate in float32 (its weights are exact there), replayed on that run's values."""
+    eligible: frozenset[str]
+    """Reference call keys of the pairs whose weights are provably the same on both sides."""
+    alignment: Alignment
+
+    def judged(self, tolerances: Tolerances | None = None) -> dict[str, Row]:
+        """Reference call key -> the lifted comparison's row, for the eligible pairs (float32 tolerances)."""
+        report = compare_traces(self.reference, self.candidate, alignment=self.alignment, tolerances=tolerances)
+        rows = {row.reference.key: row for row in report.rows if row.reference.key in self.eligible}
+        for row in rows.values():
+            if row.input_diverged and not self._floating_input(row):
+                row.input_diverged = False  # token or position ids: what each side chose to pass, not values
+        return rows
+
+    def own_error(self, row: Row | None) -> str | None:
+        """Why a lifted row shows an error in its module's own code, or ``None`` when it does not (or cannot
+        tell: not compared, fed another value, or its code rounds to low precision itself)."""
+        if row is None or row.status != "compared" or not row.diverged or row.input_diverged:
+            return None
+        if self._rounds(row) or not self._fed_alike(row.reference.key):
+            return None
+        error = relative_error(row.metrics)
+        size = f"{error:.2e} relative error" if error is not None else "NaN/Inf"
+        return f"own code differs with the same {self.dtype} weights computed in float32: {size}"
+
+    def gave_another_input(self, row: Row | None, parent: Row | None) -> bool:
+        """The parent module's own code, between its children, gave ``row``'s module another floating-point
+        input: that input differs while the parent (its weights the same) was fed alike and every paired module
+        before was given its counterpart's value. ``row`` and ``parent`` are lifted rows."""
+        if row is None or parent is None or not (row.diverged and row.input_diverged) or not self._floating_input(row):
+            return False
+        return parent.status == "compared" and not parent.input_diverged and self._fed_alike(parent.reference.key)
+
+    def _fed_alike(self, key: str) -> bool:
+        """Every floating-point value the candidate module received (not only the one compared as its input)
+        is one its counterpart received: a module fed a second value from code upstream that differs (a key
+        and value computed apart from the query) is not where that difference starts. For a run of modules,
+        what the run's first received."""
+        pair = next(pair for pair in self.alignment.pairs if pair.reference == key)
+        received = _floating_inputs(self.reference, pair.reference_input or pair.reference)
+        for value in _floating_inputs(self.candidate, pair.candidate_input or pair.candidate):
+            if _cast_proof(value):
+                continue  # a mask or an index-like table: what each side chose to build
+            if not any(_same_values(value, other) for other in received):
+                return False
+        return True
+
+    def _floating_input(self, row: Row) -> bool:
+        node = next((node for _, node in iter_tensors(self.reference.calls[row.input_call].inputs, "inputs")), None)
+        return node is not None and str(node.get("dtype", "")).startswith(("float", "bfloat"))
+
+    def _rounds(self, row: Row) -> bool:
+        """The candidate module's float32 output lies on the low-precision grid: its code casts to that
+        precision itself (hard-coded), so its lifted error is rounding, not evidence."""
+        if row.candidate is None:
+            return False
+        value = slot_value(self.candidate, row.candidate.key, row.candidate.slot, None)
+        if value is None or not value.is_floating_point() or value.numel() < 16:
+            return False
+        low = getattr(torch, self.dtype)
+        return bool((value.to(low).to(value.dtype) == value).all())
+
+
+def lifts(reference: nn.Module, candidate: nn.Module) -> torch.dtype | None:
+    """The candidate's low precision when a lifted replay applies: every floating-point parameter of the
+    candidate in bfloat16 or float16 (one of them) or wider, some in low precision, and the reference wider."""
+    low = {p.dtype for p in unwrap(candidate).parameters() if p.dtype in (torch.bfloat16, torch.float16)}
+    if len(low) != 1 or any(p.dtype in (torch.bfloat16, torch.float16) for p in unwrap(reference).parameters()):
+        return None
+    return low.pop()
+
+
+def same_weights(
+    reference: nn.Module,
+    candidate: nn.Module,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    dtype: torch.dtype,
+) -> frozenset[str]:
+    """Reference call keys of the pairs whose two modules hold the same weights once the reference's are
+    rounded to ``dtype`` (see the module's text for the conditions)."""
+    grid = "fp16" if dtype == torch.float16 else "bf16"
+    prints = (fingerprint(reference, grid), fingerprint(candidate, grid))
+    unsafe = _rounded_state(candidate, dtype)
+    eligible = set()
+    for pair in alignment.pairs:
+        ref_calls, cand_calls = (
+            _holders(pair, alignment, reference_trace, "reference"),
+            _holders(pair, alignment, candidate_trace, "candidate"),
+        )
+        if any(call.path in unsafe for call in cand_calls):
+            continue
+        sums = [_weights(side, calls) for side, calls in zip(prints, (ref_calls, cand_calls), strict=True)]
+        if sums[0] is not None and sums[0] == sums[1]:
+            eligible.add(pair.reference)
+    return frozenset(eligible)
+
+
+def _holders(pair: Pair, alignment: Alignment, trace: Trace, side: str) -> list[CallRecord]:
+    """The calls on one side whose weights the pair's other side must hold: the module itself; for a run pair,
+    each module of the run (its first to its last); for a fused module paired by parts, every module paired
+    with one of its parts (q, k and v against one qkv)."""
+    other = "candidate" if side == "reference" else "reference"
+    if getattr(pair, f"{other}_part") is not None:  # the other side is fused: all of this side paired with it
+        fused = getattr(pair, other)
+        keys = {getattr(each, side) for each in alignment.pairs if getattr(each, other) == fused}
+        return [trace.call(key) for key in sorted(keys)]
+    last, first = trace.call(getattr(pair, side)), getattr(pair, f"{side}_input")
+    if first is None:
+        return [last]
+    enclosing = set()  # modules the run's last is called inside: only their parts within the run belong to it
+    parent = last.parent
+    while parent is not None:
+        enclosing.add(parent)
+        parent = trace.calls[parent].parent
+    span = [call for call in trace.calls[trace.call(first).index : last.index + 1] if call.index not in enclosing]
+    inside = {call.index for call in span}
+    return [call for call in span if call.parent not in inside]
+
+
+def _weights(prints: dict[str, ModulePrint], calls: list[CallRecord]) -> tuple[int, int] | None:
+    """The summed fingerprint and size of the weights the calls' modules hold (each module once)."""
+    paths = {call.path for call in calls}
+    found = [prints.get(path) for path in paths]
+    if any(item is None for item in found):
+        return None
+    digest = sum(item.digest for item in found if item is not None) & MASK
+    return digest, sum(item.numel for item in found if item is not None)
+
+
+def _rounded_state(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype``, or another
+    floating-point tensor (buffer or attribute) whose values a cast may have rounded."""
+    flagged = []
+    for path, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
+        others = [b for b in module.buffers(recurse=False) if b is not None]
+        others += [v for v in vars(module).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
+        if params or any(t.is_floating_point() and not _cast_proof(t) for t in others):
+            flagged.append(path)
+    paths = [path for path, _ in model.named_modules()]
+    return {path for path in paths if any(_within(found, path) for found in flagged)}
+
+
+def _within(path: str, ancestor: str) -> bool:
+    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _floating_inputs(trace: Trace, key: str) -> list[torch.Tensor]:
+    values = (trace.tensor(node) for _, node in iter_tensors(trace.call(key).inputs, "inputs"))
+    return [value for value in values if value is not None and value.is_floating_point()]
+
+
+def _same_values(value: torch.Tensor, other: torch.Tensor) -> bool:
+    """``value`` holds ``other``'s values within float32's divergence margin (relative L2): element for
+    element in another shape, or broadcast along a dimension one side keeps at size 1 (rotary tables given
+    per sequence or per batch)."""
+    if value.shape != other.shape and value.numel() != other.numel():
+        try:
+            shape = torch.broadcast_shapes(value.shape, other.shape)
+        except RuntimeError:
+            return False
+        value, other = value.expand(shape), other.expand(shape)
+    a, b = value.reshape(-1).to(torch.float64), other.reshape(-1).to(torch.float64)
+    return float((a - b).norm()) <= INPUT_MARGIN * max(float(b.norm()), 1e-30)
+
+
+INPUT_MARGIN = DIVERGENCE_MARGIN * Tolerance.for_dtypes("float32").rtol
+"""Two float32 values computed apart by the same code agree to about 1e-7 relative; this is the margin a
+float32 row's input is judged with."""
+
+
+def _cast_proof(tensor: torch.Tensor) -> bool:
+    """Every value is one a cast to bfloat16 or float16 keeps: zero, small integers, powers of two, and the
+    huge fills of attention masks (whose effect no rounding changes)."""
+    values = tensor.detach().reshape(-1).to(torch.float64)
+    values = values[values.isfinite() & (values.abs() < 1e4)]
+    mantissa, _ = torch.frexp(values)
+    small_integer = (values == values.round()) & (values.abs() <= 256)
+    return bool((small_integer | (mantissa.abs() == 0.5)).all())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds, else ``model``: the lifted copies run eagerly."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model

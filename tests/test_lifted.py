@@ -1,0 +1,151 @@
+"""The lifted replay: a bf16/fp16 candidate's code judged in float32 with the weights it holds, so errors
+under the precision's rounding are found, where the weights are provably the same and nowhere else."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from paritylab.comparison.lifted import lifts, same_weights
+from paritylab.comparison.report import compare_traces
+from paritylab.run.parity import check, configured_wide, converted_copy, trace_model, widened
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class Tower(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _pair() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    reference = Tower().eval()
+    for parameter in reference.parameters():  # norms with weights that rounding changes
+        nn.init.normal_(parameter, std=0.3)
+    return reference, converted_copy(reference, torch.bfloat16), torch.randn(2, 5, 8)
+
+
+def _scaled(module: nn.Module, factor: float) -> None:
+    module.register_forward_hook(lambda _m, _a, out: out * factor)
+
+
+def test_a_tenth_of_a_percent_in_a_bf16_candidate_is_named_and_the_clean_one_passes(tmp_path):
+    """×1.001 in bf16 is a quarter of one rounding step: the bf16 judgement cannot see it, the lifted replay
+    (same bf16 weights, float32 arithmetic) names the module. The clean candidate passes."""
+    reference, candidate, x = _pair()
+    calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
+    clean = check(reference, candidate, tmp_path / "clean", **calls)
+    assert clean.passed and clean.report.first_divergence is None
+    lifted = [row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local]
+    assert len(lifted) >= 8 and max(lifted) < 1e-6  # same weights, float32: code alone differs (it does not)
+    _scaled(candidate.blocks[1].up, 1.001)
+    buggy = check(reference, candidate, tmp_path / "buggy", **calls)
+    assert not buggy.passed and buggy.report.first_divergence.path == "blocks.1.up"
+    culprit = buggy.report.first_divergence
+    assert "with the same bfloat16 weights computed in float32" in culprit.note
+    assert math.isclose(culprit.local["lifted_rel_l2"], 1e-3, rel_tol=0.05)
+    assert [row.path for row in buggy.report.replay_origins] == ["blocks.1.up"]
+
+
+def test_without_the_lifted_replay_the_same_bug_goes_unseen(tmp_path):
+    """The control for the test above: the bf16 judgement alone (no reference model given to lift) passes."""
+    from paritylab.run.parity import compare_and_replay, estimate_floors
+
+    reference, candidate, x = _pair()
+    _scaled(candidate.blocks[1].up, 1.001)
+    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    floors = estimate_floors(reference, lambda m: m(x), reference_trace, torch.bfloat16, tmp_path)
+    alone = compare_and_replay(
+        reference_trace, candidate_trace, candidate, lambda m: m(x.bfloat16()), tmp_path, floors=floors
+    )
+    assert alone.passed
+
+
+def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
+    """Only pairs whose weights are provably the same are judged lifted: a norm the candidate keeps in float32
+    holds other weights than the reference's rounded ones, and so does a table a cast rounded (a rotary
+    table); both stay with the bf16 judgement, as do the modules that hold them."""
+    reference, candidate, x = _pair()
+    candidate.blocks[0].norm.float()
+    candidate.blocks[1].register_buffer("table", torch.linspace(0.1, 0.9, 7).to(torch.bfloat16))
+    candidate.blocks[1].up.register_buffer("mask", torch.tensor([0.0, -math.inf, 1.0, 0.125]).to(torch.bfloat16))
+    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    alignment = compare_traces(reference_trace, candidate_trace).alignment
+    eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, torch.bfloat16)
+    paths = {reference_trace.call(key).path for key in eligible}
+    assert not {"blocks.0.norm", "blocks.0", "blocks.1", ""} & paths  # they hold, or sit above, either
+    assert "blocks.1.up" in paths  # a mask of 0, -inf, 1 and 1/8 survives any cast
+    assert {"inp", "blocks.0.up", "blocks.0.act", "blocks.0.down", "blocks.1.norm", "head"} <= paths
+    assert lifts(reference, candidate) == torch.bfloat16
+    assert lifts(reference, converted_copy(reference, torch.float64)) is None  # nothing in low precision
+    assert lifts(candidate, reference) is None  # the reference in low precision: nothing to lift
+
+
+def test_a_precision_named_in_a_config_is_lifted_too():
+    """TransformerLens casts norms and attention patterns to ``cfg.dtype``: the lifted copy's config names
+    float32, on the module and on the config object it shares."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    config = SimpleNamespace(dtype=torch.bfloat16, d_model=2)
+    for module in model:
+        module.cfg = config
+    model[1].compute_dtype = torch.bfloat16
+    configured_wide(model, torch.bfloat16)
+    assert config.dtype == torch.float32 and model[1].compute_dtype == torch.float32 and config.d_model == 2
+
+
+def test_widened_calls_give_both_copies_the_candidates_rounded_inputs():
+    """Whether a call passes float32 inputs or bf16 ones, the lifted copies receive the bf16 values in float32
+    (what the candidate itself computes from), integers untouched."""
+    model = _Recorder()
+    x, ids = torch.tensor([1.0 + 2**-10, 3.0]), torch.tensor([1, 2])
+    widened(lambda m: m(x, ids=ids), torch.bfloat16)(model)
+    widened(lambda m: m(x.bfloat16(), ids=ids), torch.bfloat16)(model)
+    assert len(model.seen) == 2
+    for value, index in model.seen:
+        assert value.dtype == torch.float32 and value.tolist() == [1.0, 3.0] and index.tolist() == [1, 2]
+
+
+class _Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x, ids))
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+def test_an_fp16_candidate_is_lifted_on_its_own_grid(dtype, tmp_path):
+    reference, _, x = _pair()
+    candidate = converted_copy(reference, dtype)
+    _scaled(candidate.blocks[0].down, 1 + 2e-4)  # a fifth of an fp16 rounding step
+    buggy = check(reference, candidate, tmp_path, reference_call=lambda m: m(x), candidate_call=lambda m: m(x.half()))
+    culprit = buggy.report.first_divergence
+    assert culprit.path == "blocks.0.down" and math.isclose(culprit.local["lifted_rel_l2"], 2e-4, rel_tol=0.05)
