@@ -173,7 +173,10 @@ def test_a_tenth_of_a_percent_offset_under_bf16_rounding_is_named(tmp_path):
     assert named == expected
 
 
-BF16_NOISE_SITES = {"gpt2": ["blocks.0.attn", "blocks.1.mlp"], "llava": ["vit.blocks.0.mlp.2", "llm.layers.0.attention.wo"]}
+BF16_NOISE_SITES = {
+    "gpt2": ["blocks.0.attn", "blocks.1.mlp"],
+    "llava": ["vit.blocks.0.mlp.2", "llm.layers.0.attention.wo"],
+}
 
 
 @pytest.mark.parametrize("name", [n for n in PAIR_NAMES if n.values[0] in BF16_NOISE_SITES])
