@@ -153,15 +153,14 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
 
 def test_a_bug_under_bf16_rounding_in_a_bf16_port_is_named_through_the_app(tmp_path):
     """A ×1.001 gain in one projection of the port cast to bf16: under bf16's rounding, so only the lifted
-    replay (both sides in float32 with the port's bf16 weights) sees it; the run fails and names it, and its
-    phase is timed like the others."""
+    replay (both sides in float32 with the port's bf16 weights) sees it; the run fails and names it and, inside
+    it, the operation; the phase is timed like the others."""
     result, client = run_with(
         tmp_path,
         "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
         "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
         "+candidate.ports.llava.build.scale=1.001",
         "+candidate.ports.llava.build.dtype=bfloat16",
-        "compare.drilldown=false",
     )
     assert result.exit_code == EXIT_FAIL
     tags = client.get_run(result.run_id).data.tags
@@ -169,6 +168,11 @@ def test_a_bug_under_bf16_rounding_in_a_bf16_port_is_named_through_the_app(tmp_p
     culprit = result.report.first_divergence
     assert "with the same bfloat16 weights computed in float32" in culprit.note
     assert 5e-4 < culprit.local["lifted_rel_l2"] < 2e-3
+    assert "(lifted replay)" in result.report.culprit_reason
+    # Opened in the lifted copies, the planted operation shows with its constant (in bf16 it is under rounding).
+    assert tags["paritylab.first_operation"] == "mul"
+    drilled = json.loads((result.directory / "report" / "drilldown.json").read_text())
+    assert drilled["operations"][0]["scalars"] == ["1.001"]
     run = json.loads((result.directory / "run.json").read_text())
     assert run["seconds"]["lifted replay"] > 0
     metrics = client.get_run(result.run_id).data.metrics

@@ -228,17 +228,19 @@ def attach_replay(
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
                 diverged, reason = False, None
-        lifted_row = lifted_rows.get(row.reference.key)
+        lifted_row, lifted_found = lifted_rows.get(row.reference.key), False
         if not diverged and lifted is not None:
             why = lifted.own_error(lifted_row)
             parent = by_index.get(row.parent) if row.parent is not None else None
             if why is not None:  # its code, not the precision: the same weights in float32 disagree
-                diverged, reason = True, why
+                diverged, reason, lifted_found = True, why, True
             elif parent is not None and lifted.gave_another_input(lifted_row, lifted_rows.get(parent.reference.key)):
                 note = f"its own code between its children gives {row.path or '<root>'} a value the reference does not"
                 note += f", with the same {lifted.dtype} weights computed in float32 (lifted replay)"
                 fed_wrong.setdefault(parent.index, (parent, note))
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
+        if lifted_found:
+            row.local["lifted_diverged"] = 1.0
         lifted_error = relative_error(lifted_row.metrics) if lifted_row is not None else None
         if lifted_error is not None:
             row.local["lifted_rel_l2"] = lifted_error
@@ -399,6 +401,9 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
         if first is None and report.passed:
             return
         chosen, reason = replayed[0], "the earliest module whose own error (isolated replay) exceeds its local floor"
+        if chosen.local.get("lifted_diverged"):
+            reason = "the earliest module whose own code differs with the same low-precision weights in float32"
+            reason += " (lifted replay)"
     if chosen is None:
         return
     report.first_divergence, report.culprit_reason = chosen, reason

@@ -210,18 +210,23 @@ def lift(
     if dtype is None:
         return None
     reference, candidate = unwrap(reference), unwrap(candidate)
-    eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype)
+    try:
+        eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype)
+    except Exception as error:  # parameters fingerprinting cannot read (a tensor subclass): nothing to lift
+        if notes is not None:
+            notes.append(f"lifted replay skipped: weights not comparable: {type(error).__name__}: {error}")
+        return None
     if not eligible:
         return None
     traces: list[Trace] = []
     steps = (  # one float32 copy alive at a time
         lambda: trace_model(
-            converted_copy(reference, LIFTED_DTYPE, rounded_to=dtype), widened(reference_call, dtype),
-            directory / "lifted-reference", capture=None, fingerprint=False,
+            lifted_reference(reference, dtype), widened(reference_call, dtype), directory / "lifted-reference",
+            capture=None, fingerprint=False,
         ),
         lambda: isolated_replay(
-            configured_wide(converted_copy(candidate, LIFTED_DTYPE), dtype), widened(candidate_call, dtype), traces[0],
-            candidate_trace, alignment, directory / "lifted-candidate",
+            lifted_candidate(candidate, dtype), widened(candidate_call, dtype), traces[0], candidate_trace,
+            alignment, directory / "lifted-candidate",
         ),
     )  # fmt: skip
     for step, own_trace in zip(steps, (reference_trace, candidate_trace), strict=True):
@@ -238,6 +243,16 @@ def lift(
             notes.append(f"lifted replay skipped: {problem}")
         return None
     return LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment)
+
+
+def lifted_reference(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are)."""
+    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype)
+
+
+def lifted_candidate(candidate: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too."""
+    return configured_wide(converted_copy(unwrap(candidate), LIFTED_DTYPE), dtype)
 
 
 def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from paritylab.comparison.alignment import Rule, load_rules
-from paritylab.comparison.lifted import lifts
+from paritylab.comparison.lifted import LiftedReplay, lifts
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
 from paritylab.reports.plots import write_plots
@@ -42,8 +42,11 @@ from paritylab.run.parity import (
     judge_whole_graph,
     judge_with_replay,
     lift,
+    lifted_candidate,
+    lifted_reference,
     low_precision,
     match_weight_grids,
+    widened,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
@@ -257,8 +260,8 @@ class _Session:
         )  # fmt: skip
         report = self._keep(free_run)
         self._mark("compare")
+        lifted = None
         if cfg.compare.replay and not report.errors and report.alignment.pairs:
-            lifted = None
             if candidate.cast_of is None and lifts(reference, candidate.model) is not None:
                 self.echo("paritylab: lifted replay (both sides in float32 with the candidate's weights)")
                 lifted = lift(
@@ -284,7 +287,9 @@ class _Session:
             )  # fmt: skip
             self._mark("whole graph")
         if cfg.compare.drilldown and report.first_divergence is not None and not report.passed:
-            found = self._drill_down(report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace)
+            found = self._drill_down(
+                report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace, lifted
+            )
             report = self._keep(found)
             self._mark("drill-down")
         if int(cfg.generate.steps) > 0 and not report.errors:
@@ -456,8 +461,11 @@ class _Session:
         cand_run: Callable[[nn.Module], Any],
         ref_trace: Trace,
         cand_trace: Trace,
+        lifted: LiftedReplay | None = None,
     ) -> Report:
-        """``report`` with, inside its origin module, the first operation that differs (both sides run once more)."""
+        """``report`` with, inside its origin module, the first operation that differs (both sides run once more).
+        An origin the lifted replay found is opened in the lifted copies (float32, the candidate's weights),
+        where its difference is not hidden under the precision's rounding."""
         from paritylab.comparison.drilldown import drill_into
         from paritylab.comparison.replay import teacher_forcing
 
@@ -465,11 +473,18 @@ class _Session:
         if first is None or first.candidate is None or first.status != "compared":
             return report  # an unmatched module has no counterpart to open
         self.echo(f"paritylab: drilling into {display_path(first.path)}")
-        key = first.candidate.key
+        key, forced_on = first.candidate.key, ref_trace
+        dtype, own = first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2)
+        reference, candidate = reference.to(self.device), candidate.to(self.device)
+        if lifted is not None and first.local.get("lifted_diverged"):
+            low = getattr(torch, lifted.dtype)
+            reference, candidate = lifted_reference(reference, low), lifted_candidate(candidate, low)
+            ref_run, cand_run, forced_on = widened(ref_run, low), widened(cand_run, low), lifted.reference
+            dtype, own = "float32", first.local.get("lifted_rel_l2", own)
+            self.notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")
         found = drill_into(
-            reference.to(self.device), ref_run, first.reference.key, candidate.to(self.device), cand_run, key,
-            lambda model: teacher_forcing(model, ref_trace, cand_trace, report.alignment, within=key),
-            first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2),
+            reference, ref_run, first.reference.key, candidate, cand_run, key,
+            lambda model: teacher_forcing(model, forced_on, cand_trace, report.alignment, within=key), dtype, own,
         )  # fmt: skip
         self.notes.extend(f"drill-down: {note}" for note in found.notes)
         write_json(self.directory / "report" / "drilldown.json", found.to_dict(), indent=1)
