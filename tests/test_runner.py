@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from paritylab import Trace
 from paritylab.cli.app import compose, preflight
 from paritylab.comparison.report import compare_traces
+from paritylab.reports.render import headline
 from paritylab.run.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import migrated_store, parity_runs
 
@@ -169,6 +170,7 @@ def test_a_bug_under_bf16_rounding_in_a_bf16_port_is_named_through_the_app(tmp_p
     assert "with the same bfloat16 weights computed in float32" in culprit.note
     assert 5e-4 < culprit.local["lifted_rel_l2"] < 2e-3
     assert "(lifted replay)" in result.report.culprit_reason
+    assert "(own error 1.00e-03 in float32)" in headline(result.report)
     # Opened in the lifted copies, the planted operation shows with its constant (in bf16 it is under rounding).
     assert tags["paritylab.first_operation"] == "mul"
     drilled = json.loads((result.directory / "report" / "drilldown.json").read_text())

@@ -82,6 +82,8 @@ def headline(report: Report) -> str:
     where = display_path(first.path) if first else "?"
     own = first.local.get("local_rel_l2") if first else None
     error = f"own error {fmt(own)}" if own is not None else f"rel_l2 {fmt(first.rel_l2 if first else None)}"
+    if first is not None and first.local.get("lifted_diverged"):  # found where the precision's rounding is gone
+        error = f"own error {fmt(first.local.get('lifted_rel_l2'))} in float32"
     why = f": {report.culprit_reason}" if report.culprit_reason else ""
     return (
         f"FAIL: divergence starts at {where} ({error}){why}; "
