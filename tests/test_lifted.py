@@ -12,7 +12,7 @@ from torch import nn
 
 from paritylab.comparison.lifted import lifts, same_weights
 from paritylab.comparison.report import compare_traces
-from paritylab.run.parity import check, configured_wide, converted_copy, trace_model, widened
+from paritylab.run.parity import check, configured_wide, converted_copy, lift, trace_model, widened
 
 
 class Block(nn.Module):
@@ -111,12 +111,14 @@ def test_a_precision_named_in_a_config_is_lifted_too():
     """TransformerLens casts norms and attention patterns to ``cfg.dtype``: the lifted copy's config names
     float32, on the module and on the config object it shares."""
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    config = SimpleNamespace(dtype=torch.bfloat16, d_model=2)
+    config = SimpleNamespace(dtype=torch.bfloat16, d_model=2, precision="bf16", name="bf16-tiny")
     for module in model:
         module.cfg = config
     model[1].compute_dtype = torch.bfloat16
+    model[1].torch_dtype = "torch.bfloat16"
     configured_wide(model, torch.bfloat16)
     assert config.dtype == torch.float32 and model[1].compute_dtype == torch.float32 and config.d_model == 2
+    assert config.precision == "fp32" and model[1].torch_dtype == "float32" and config.name == "bf16-tiny"
 
 
 def test_widened_calls_give_both_copies_the_candidates_rounded_inputs():
@@ -149,3 +151,21 @@ def test_an_fp16_candidate_is_lifted_on_its_own_grid(dtype, tmp_path):
     buggy = check(reference, candidate, tmp_path, reference_call=lambda m: m(x), candidate_call=lambda m: m(x.half()))
     culprit = buggy.report.first_divergence
     assert culprit.path == "blocks.0.down" and math.isclose(culprit.local["lifted_rel_l2"], 2e-4, rel_tol=0.05)
+
+
+def test_a_precision_the_copy_cannot_lift_is_not_taken_for_bugs(tmp_path):
+    """Code that rounds to bf16 by itself (a hard-coded cast the lifted copy cannot see) makes most modules
+    differ in float32: the lifted replay is then set aside with a note, and the clean candidate passes."""
+    reference, candidate, x = _pair()
+    for module in candidate.modules():
+        if isinstance(module, nn.Linear | nn.LayerNorm):
+            module.register_forward_hook(lambda _m, _a, out: out + (out.bfloat16().to(out.dtype) - out) * 0.5)
+    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    alignment = compare_traces(reference_trace, candidate_trace).alignment
+    notes: list[str] = []
+    lifted = lift(
+        reference, lambda m: m(x), candidate, lambda m: m(x.bfloat16()), reference_trace, candidate_trace, alignment,
+        tmp_path, notes,
+    )  # fmt: skip
+    assert lifted is None and len(notes) == 1 and "lifted replay not used" in notes[0]

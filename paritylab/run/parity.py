@@ -242,7 +242,23 @@ def lift(
         if notes is not None:
             notes.append(f"lifted replay skipped: {problem}")
         return None
-    return LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment)
+    lifted = LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment)
+    rows = lifted.judged()
+    differing = sum(lifted.own_error(row) is not None for row in rows.values())
+    if differing >= max(SYSTEMIC_MODULES, SYSTEMIC_SHARE * len(rows)):
+        if notes is not None:
+            notes.append(
+                f"lifted replay not used: {differing} of {len(rows)} modules differ in float32, which no bug in one"
+                " place does: the candidate's code rounds to low precision where a copy cannot lift it (a hard-coded"
+                " dtype); the low-precision judgement stands alone"
+            )
+        return None
+    return lifted
+
+
+SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
+"""A lifted replay in which at least this many modules, and this share of those it judges, show their own
+code differing is taken for a precision the copy could not lift, not for bugs, and is not used."""
 
 
 def lifted_reference(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -260,15 +276,22 @@ def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     the objects they hold (a config such as TransformerLens' ``cfg.dtype``, which its norms and attention cast
     to), set to float32: the lifted copy's code then rounds nowhere. ``model`` is a copy: changed in place."""
     seen: set[int] = set()
+    names = {name for base in _NAMES.get(dtype, ()) for name in (base, f"torch.{base}")}
     for module in model.modules():
         for owner in (module, *(v for v in vars(module).values() if _plain_object(v))):
             if id(owner) in seen:
                 continue
             seen.add(id(owner))
             for name, value in list(vars(owner).items()):
-                if value == dtype and isinstance(value, torch.dtype):
+                if isinstance(value, torch.dtype) and value == dtype:
                     object.__setattr__(owner, name, LIFTED_DTYPE)
+                elif type(value) is str and value in names:  # "bfloat16", "bf16", "torch.bfloat16"
+                    object.__setattr__(owner, name, _WIDE_NAMES[value.removeprefix("torch.")])
     return model
+
+
+_NAMES = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("float16", "fp16", "half")}
+_WIDE_NAMES = {"bfloat16": "float32", "bf16": "fp32", "float16": "float32", "fp16": "fp32", "half": "float"}
 
 
 def _plain_object(value: Any) -> bool:
