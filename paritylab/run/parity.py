@@ -94,7 +94,10 @@ def estimate_floors(
     """
     runner = cast_inputs or (lambda dtype: cast_call(call, dtype))
     exact_model = converted_copy(reference, torch.float64)
-    exact = trace_model(exact_model, runner(torch.float64), directory / "noise-float64", capture=None)
+    # Saved in float32: the floors are differences of 1e-3 or more, and float64 on disk only doubles the bytes.
+    exact = trace_model(
+        exact_model, runner(torch.float64), directory / "noise-float64", capture=None, save_dtype=torch.float32
+    )
     del exact_model
     if low_trace is not None:
         return Floors(dtype, free_run_floor(exact, low_trace), from_candidate=True)
