@@ -404,7 +404,9 @@ def check(
 
     ``reference_call(model)`` and ``candidate_call(model)`` run one forward each (the candidate's defaults
     to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
-    is judged against the reference's own error at that precision. A ``torch.compile`` candidate is also run
+    is judged against the reference's own error at that precision; a bfloat16/float16 candidate of a wider
+    reference is also replayed lifted (:func:`lift`: its code in float32 with its own weights), so errors under
+    the precision's rounding are found too. A ``torch.compile`` candidate is also run
     once untraced, as one graph (:mod:`paritylab.run.whole_graph`; ``whole_graph=False`` skips it, and the
     result is then inconclusive at best).
     """
