@@ -169,3 +169,22 @@ def test_a_precision_the_copy_cannot_lift_is_not_taken_for_bugs(tmp_path):
         tmp_path, notes,
     )  # fmt: skip
     assert lifted is None and len(notes) == 1 and "lifted replay not used" in notes[0]
+
+
+def test_a_float32_copy_that_does_not_fit_is_not_made(tmp_path, monkeypatch):
+    """A large bf16 model's float32 copy is twice its size: when it would not fit, the lifted replay is skipped
+    with a note (the run goes on with the low-precision judgement) instead of being killed for memory."""
+    import paritylab.run.parity as parity
+
+    reference, candidate, x = _pair()
+    monkeypatch.setattr(parity, "available_memory", lambda device: 1000)
+    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    alignment = compare_traces(reference_trace, candidate_trace).alignment
+    notes: list[str] = []
+    lifted = lift(
+        reference, lambda m: m(x), candidate, lambda m: m(x.bfloat16()), reference_trace, candidate_trace, alignment,
+        tmp_path, notes,
+    )  # fmt: skip
+    assert lifted is None and len(notes) == 1 and "does not fit in the 0.0 GiB available on cpu" in notes[0]
+    assert not (tmp_path / "lifted-reference").exists()

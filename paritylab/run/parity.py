@@ -25,7 +25,7 @@ from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import attach_replay, isolated_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
-from paritylab.run.resident import converted_copy
+from paritylab.run.resident import available_memory, converted_copy
 from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
@@ -213,6 +213,16 @@ def lift(
     if dtype is None:
         return None
     reference, candidate = unwrap(reference), unwrap(candidate)
+    needed = max(_float32_bytes(reference), _float32_bytes(candidate))  # one copy alive at a time
+    device = next(candidate.parameters()).device
+    free = available_memory(device)
+    if free is not None and needed > LIFTED_MEMORY_SHARE * free:
+        if notes is not None:
+            notes.append(
+                f"lifted replay skipped: a float32 copy ({needed / 2**30:.1f} GiB) does not fit in the "
+                f"{free / 2**30:.1f} GiB available on {device}"
+            )
+        return None
     try:
         eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype)
     except Exception as error:  # parameters fingerprinting cannot read (a tensor subclass): nothing to lift
@@ -257,6 +267,16 @@ def lift(
             )
         return None
     return lifted
+
+
+LIFTED_MEMORY_SHARE = 0.8
+"""A float32 copy larger than this share of the memory available is not made (a large bf16 model's copy is
+twice its size): the lifted replay is skipped with a note rather than the run killed for memory."""
+
+
+def _float32_bytes(model: nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
 SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
