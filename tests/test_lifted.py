@@ -160,14 +160,7 @@ def test_a_precision_the_copy_cannot_lift_is_not_taken_for_bugs(tmp_path):
     for module in candidate.modules():
         if isinstance(module, nn.Linear | nn.LayerNorm):
             module.register_forward_hook(lambda _m, _a, out: out + (out.bfloat16().to(out.dtype) - out) * 0.5)
-    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
-    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
-    alignment = compare_traces(reference_trace, candidate_trace).alignment
-    notes: list[str] = []
-    lifted = lift(
-        reference, lambda m: m(x), candidate, lambda m: m(x.bfloat16()), reference_trace, candidate_trace, alignment,
-        tmp_path, notes,
-    )  # fmt: skip
+    lifted, notes = _lifted(reference, candidate, x, tmp_path)
     assert lifted is None and len(notes) == 1 and "lifted replay not used" in notes[0]
 
 
@@ -178,13 +171,19 @@ def test_a_float32_copy_that_does_not_fit_is_not_made(tmp_path, monkeypatch):
 
     reference, candidate, x = _pair()
     monkeypatch.setattr(parity, "available_memory", lambda device: 1000)
-    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
-    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    lifted, notes = _lifted(reference, candidate, x, tmp_path)
+    assert lifted is None and len(notes) == 1 and "does not fit in the 0.0 GiB available on cpu" in notes[0]
+    assert not (tmp_path / "lifted-reference").exists()
+
+
+def _lifted(reference: nn.Module, candidate: nn.Module, x: torch.Tensor, directory) -> tuple[object, list[str]]:
+    """:func:`lift` on the two traced models (bf16 inputs for the candidate), and the notes it left."""
+    reference_trace = trace_model(reference, lambda m: m(x), directory / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), directory / "candidate")
     alignment = compare_traces(reference_trace, candidate_trace).alignment
     notes: list[str] = []
     lifted = lift(
         reference, lambda m: m(x), candidate, lambda m: m(x.bfloat16()), reference_trace, candidate_trace, alignment,
-        tmp_path, notes,
+        directory, notes,
     )  # fmt: skip
-    assert lifted is None and len(notes) == 1 and "does not fit in the 0.0 GiB available on cpu" in notes[0]
-    assert not (tmp_path / "lifted-reference").exists()
+    return lifted, notes
