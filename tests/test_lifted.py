@@ -12,7 +12,8 @@ from torch import nn
 
 from paritylab.comparison.lifted import lifts, same_weights
 from paritylab.comparison.report import compare_traces
-from paritylab.run.parity import check, configured_wide, converted_copy, lift, trace_model, widened
+from paritylab.run.lifting import configured_wide, lift, widened
+from paritylab.run.parity import check, converted_copy, trace_model
 
 
 class Block(nn.Module):
@@ -167,10 +168,10 @@ def test_a_precision_the_copy_cannot_lift_is_not_taken_for_bugs(tmp_path):
 def test_a_float32_copy_that_does_not_fit_is_not_made(tmp_path, monkeypatch):
     """A large bf16 model's float32 copy is twice its size: when it would not fit, the lifted replay is skipped
     with a note (the run goes on with the low-precision judgement) instead of being killed for memory."""
-    import paritylab.run.parity as parity
+    import paritylab.run.lifting as lifting
 
     reference, candidate, x = _pair()
-    monkeypatch.setattr(parity, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(lifting, "available_memory", lambda device: 1000)
     lifted, notes = _lifted(reference, candidate, x, tmp_path)
     assert lifted is None and len(notes) == 1 and "does not fit in the 0.0 GiB available on cpu" in notes[0]
     assert not (tmp_path / "lifted-reference").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import pstats
@@ -175,6 +176,10 @@ def test_a_bug_under_bf16_rounding_in_a_bf16_port_is_named_through_the_app(tmp_p
     assert tags["paritylab.first_operation"] == "mul"
     drilled = json.loads((result.directory / "report" / "drilldown.json").read_text())
     assert drilled["operations"][0]["scalars"] == ["1.001"]
+    with (result.directory / "report" / "comparison.csv").open() as table:
+        rows = {row["module"]: row for row in csv.DictReader(table)}
+    assert float(rows["model.language_model.layers.1.mlp.down_proj"]["lifted_rel_l2"]) == pytest.approx(1e-3, 0.01)
+    assert float(rows["model.language_model.layers.1.mlp.up_proj"]["lifted_rel_l2"]) < 1e-5  # its code agrees
     run = json.loads((result.directory / "run.json").read_text())
     assert run["seconds"]["lifted replay"] > 0
     metrics = client.get_run(result.run_id).data.metrics

@@ -247,6 +247,7 @@ def rows_table(report: Report) -> dict[str, list[Any]]:
         "frac_outside": [],
         "input_rel_l2": [],
         "local_rel_l2": [],
+        "lifted_rel_l2": [],
         "amplification": [],
         "note": [],
     }
@@ -262,6 +263,7 @@ def rows_table(report: Report) -> dict[str, list[Any]]:
             columns[name].append(_finite(row.metrics.get(name)))
         columns["input_rel_l2"].append(_finite(row.input_metrics.get("rel_l2")))
         columns["local_rel_l2"].append(_finite(row.local.get("local_rel_l2")))
+        columns["lifted_rel_l2"].append(_finite(row.local.get("lifted_rel_l2")))
         columns["amplification"].append(_finite(row.local.get("amplification")))
         columns["note"].append(row.note)
     return columns

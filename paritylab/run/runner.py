@@ -31,6 +31,7 @@ from paritylab.run.candidates import Candidate, build_candidate, instantiate, re
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.identity import run_name, run_tags
 from paritylab.run.inputs import build_inputs
+from paritylab.run.lifting import lift, lifted_candidate, lifted_reference, widened
 from paritylab.run.parity import (
     EXIT_ERROR,
     EXIT_FAIL,
@@ -41,12 +42,8 @@ from paritylab.run.parity import (
     estimate_floors,
     judge_whole_graph,
     judge_with_replay,
-    lift,
-    lifted_candidate,
-    lifted_reference,
     low_precision,
     match_weight_grids,
-    widened,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
