@@ -145,11 +145,13 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
     loose, _ = run_with(tmp_path, "candidate=bf16")
     assert loose.exit_code == EXIT_PASS
     assert loose.report.rows[0].floor is not None  # auto noise floor for a bf16 candidate
-    # The candidate is the reference in bf16: its trace and replay are the floor's bf16 side, not run again.
+    # The candidate is the reference in bf16: its trace is the floor's bf16 side, not run again, and a replay
+    # of it would be judged against itself, so none is run.
     assert any("two forwards saved" in note for note in loose.notes)
+    assert any("isolated replay not run: the candidate is the reference's own code" in n for n in loose.notes)
     assert not (loose.directory / "noise-low").exists() and (loose.directory / "noise-float64").exists()
-    replayed = [row for row in loose.report.rows if "local_floor" in row.local]
-    assert replayed and all(row.local["local_floor"] == row.local["local_rel_l2"] for row in replayed)
+    assert not (loose.directory / "replay").exists() and not any(row.local for row in loose.report.rows)
+    assert "replay" not in json.loads((loose.directory / "run.json").read_text())["seconds"]
     assert not [a for a in client.list_artifacts(loose.run_id, "candidate") if a.path.endswith(".safetensors")]
 
 

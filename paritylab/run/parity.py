@@ -55,7 +55,8 @@ class Floors:
     is tested for a systematic part (None when the candidate is the reference cast: it is the same run)."""
     from_candidate: bool = False
     """The low-precision side is the candidate's own trace (the candidate is the reference cast to ``dtype``):
-    the local floors are read from the candidate's isolated replay (:func:`judge_with_replay`)."""
+    local floors, when a replay runs, are read from the candidate's isolated replay (:func:`judge_with_replay`;
+    the Hydra run does not replay such a candidate: it would be judged against itself)."""
 
 
 def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:

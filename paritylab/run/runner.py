@@ -258,7 +258,14 @@ class _Session:
         report = self._keep(free_run)
         self._mark("compare")
         lifted = None
-        if cfg.compare.replay and not report.errors and report.alignment.pairs:
+        if cfg.compare.replay and floors is not None and floors.from_candidate:
+            self.notes.append(
+                "isolated replay not run: the candidate is the reference's own code cast to "
+                f"{str(floors.dtype).removeprefix('torch.')}, so each module's own error is that precision's "
+                "rounding by definition (a replay would be judged against itself); the free run is judged against "
+                "the noise floor, and NaN/Inf show there"
+            )
+        elif cfg.compare.replay and not report.errors and report.alignment.pairs:
             if candidate.cast_of is None and lifts(reference, candidate.model) is not None:
                 self.echo("paritylab: lifted replay (both sides in float32 with the candidate's weights)")
                 lifted = lift(
@@ -436,8 +443,8 @@ class _Session:
         self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
         if candidate.cast_of == low:  # the candidate is the reference at that precision: reuse, don't re-run it
             self.notes.append(
-                f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace and "
-                "isolated replay serve as the floor's low-precision side (two forwards saved)"
+                f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace "
+                "serves as the floor's low-precision side (two forwards saved)"
             )
             return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
