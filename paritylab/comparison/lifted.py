@@ -27,7 +27,7 @@ behaves differently *only* at low precision (an fp16 overflow) is still the low-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -57,9 +57,18 @@ class LiftedReplay:
     eligible: frozenset[str]
     """Reference call keys of the pairs whose weights are provably the same on both sides."""
     alignment: Alignment
+    _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
+    """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
     def judged(self, tolerances: Tolerances | None = None) -> dict[str, Row]:
         """Reference call key -> the lifted comparison's row, for the eligible pairs (float32 tolerances)."""
+        tolerances = tolerances or Tolerances()
+        key = (tolerances.rtol, tolerances.atol, tuple(tolerances.overrides))
+        if key not in self._judged:
+            self._judged[key] = self._judge(tolerances)
+        return self._judged[key]
+
+    def _judge(self, tolerances: Tolerances) -> dict[str, Row]:
         report = compare_traces(self.reference, self.candidate, alignment=self.alignment, tolerances=tolerances)
         rows = {row.reference.key: row for row in report.rows if row.reference.key in self.eligible}
         for row in rows.values():
