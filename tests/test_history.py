@@ -126,7 +126,8 @@ def test_an_upload_gets_the_regression_and_the_trend_point_a_live_run_gets_and_o
     from paritylab.cli.app import compose
     from paritylab.run.runner import run
 
-    cfg = compose([f"tracking.uri={uri}", "compare.replay=false", "tracking.trend=true", "seed=0"])
+    overrides = [f"tracking.uri={uri}", "compare.replay=false", "tracking.trend=true", "seed=0"]
+    cfg = compose([*overrides, "tracking.process=inline"])  # the patched tracker is this process's
     failed = run(cfg, tmp_path / "second", echo=lambda _: None)
     assert failed.exit_code == 2 and failed.tracking_error
     monkeypatch.undo()

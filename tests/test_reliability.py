@@ -140,8 +140,8 @@ def test_tracking_failing_mid_run_keeps_everything(tmp_path, monkeypatch):
     def broken(self, metrics):
         raise TrackingError("MLflow at test failed to log metrics: connection reset")
 
-    monkeypatch.setattr(MlflowTracker, "log_metrics", broken)
-    result, client = run_with(tmp_path, "compare.replay=false")
+    monkeypatch.setattr(MlflowTracker, "log_metrics", broken)  # in this process: MLflow inline
+    result, client = run_with(tmp_path, "compare.replay=false", "tracking.process=inline")
     assert result.exit_code == 2 and "connection reset" in result.tracking_error
     assert client.get_run(result.run_id).info.status == "FAILED"  # not left RUNNING
     record = json.loads((result.directory / "tracking.json").read_text())
@@ -160,22 +160,22 @@ def test_a_signal_while_publishing_keeps_the_run_and_closes_it_killed(tmp_path, 
     """SIGTERM or Ctrl-C after the verdict, while the run is being published (for real models, gigabytes):
     no traceback, exit 130, the MLflow run KILLED (never RUNNING), run.json and tracking.json kept; the upload
     later finishes that same run."""
-    import paritylab.run.runner as runner_module
+    import paritylab.sink.connection as connection_module
     from paritylab.sink.publish import publish as real_publish
 
     def interrupted(tracker, record, directory):
         tracker.log_metrics(record.metrics[:5])  # part of it got through
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner_module, "publish", interrupted)
-    result, client = run_with(tmp_path, "compare.replay=false")
+    monkeypatch.setattr(connection_module, "publish", interrupted)
+    result, client = run_with(tmp_path, "compare.replay=false", "tracking.process=inline")
     assert result.exit_code == 130 and "interrupted while publishing" in result.tracking_error
     assert client.get_run(result.run_id).info.status == "KILLED"
     summary = json.loads((result.directory / "run.json").read_text())
     assert summary["exit_code"] == 130 and summary["verdict"] == "error"
     record = json.loads((result.directory / "tracking.json").read_text())
     assert record["tags"]["paritylab.verdict"] == "pass" and record["status"] == "FINISHED"
-    monkeypatch.setattr(runner_module, "publish", real_publish)
+    monkeypatch.setattr(connection_module, "publish", real_publish)
     from paritylab.sink.publish import upload
 
     assert upload(result.directory) == (result.run_id, False)
@@ -230,9 +230,12 @@ def _inject(monkeypatch, phase: str, kind: str) -> None:
             return candidate
 
         monkeypatch.setattr(runner_module, "build_candidate", build_with_a_fault)
+    elif phase == "publish":  # MLflow in this process (tracking.process=inline): the fault is raised here
+        import paritylab.sink.connection as connection_module
+
+        monkeypatch.setattr(connection_module, "publish", failing)
     else:
-        target = {"build": "build_candidate", "compare": "compare", "replay": "judge_with_replay"}
-        target |= {"report": "to_html", "publish": "publish"}
+        target = {"build": "build_candidate", "compare": "compare", "replay": "judge_with_replay", "report": "to_html"}
         monkeypatch.setattr(runner_module, target[phase], failing)
 
 
@@ -248,7 +251,7 @@ def test_a_signal_or_a_full_disk_at_every_phase_closes_the_run_and_keeps_what_wa
     said: list[str] = []
     uri = migrated_store(tmp_path / "mlflow.db")
     overrides = [f"tracking.uri={uri}", "model=llama", "candidate=bf16", "compare.noise_floor=off"]
-    result = run(compose(overrides), tmp_path / "run", echo=said.append)
+    result = run(compose([*overrides, "tracking.process=inline"]), tmp_path / "run", echo=said.append)
     assert result.exit_code == (130 if kind == "sigterm" else 2), said
     assert not any("Traceback" in line for line in said)
     messages = [line for line in said if "interrupted" in line or "No space left" in line]

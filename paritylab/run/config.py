@@ -53,6 +53,12 @@ class LogTensors(enum.StrEnum):
     never = "never"
 
 
+class TrackingProcess(enum.StrEnum):
+    auto = "auto"
+    child = "child"
+    inline = "inline"
+
+
 class InputKind(enum.StrEnum):
     synthetic = "synthetic"
     processor = "processor"
@@ -176,6 +182,10 @@ class TrackingConfig:
     timeout: float = 10.0
     """Seconds an HTTP request to a tracking server may take."""
     retries: int = 1
+    process: TrackingProcess = TrackingProcess.auto
+    """Where MLflow runs: ``child`` (a child process, so its 3 s import overlaps the models' build), ``inline``
+    (this process), or ``auto``: inline when MLflow is already imported here (a notebook, a test, a sweep),
+    else a child."""
     log_tensors: LogTensors = LogTensors.on_failure
     """Upload the traces' safetensors shards as artifacts: ``on_failure`` (a run that does not pass, or
     regresses), ``always`` or ``never``. JSON, reports, statistics and plots are always uploaded."""

@@ -47,18 +47,14 @@ from paritylab.run.parity import (
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
+from paritylab.sink.connection import Connection
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
-from paritylab.sink.history import FINGERPRINT, Regression, baseline_alignment
+from paritylab.sink.history import FINGERPRINT, Regression
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
-from paritylab.sink.publish import RunRecord, publish, upload_tensors
+from paritylab.sink.publish import RunRecord, upload_tensors
 from paritylab.sink.sweep import sweep_state
-from paritylab.sink.tracking import (
-    Metric,
-    MlflowTracker,
-    Tracker,
-    TrackingError,
-    flatten,
-)
+from paritylab.sink.tracking import Metric, TrackingError, flatten
+from paritylab.sink.worker import connect
 from paritylab.tracing.tracefile import Trace, display_path, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
@@ -115,7 +111,7 @@ class _Session:
         self.directory = directory
         self.echo = echo
         self.device = _device(cfg)
-        self.tracker: Tracker = Tracker()
+        self.connection = Connection()
         self.tracking_error: str | None = None
         self.report: Report | None = None
         self.parity: ParityResult | None = None
@@ -169,14 +165,14 @@ class _Session:
                 self.tracking_error = "interrupted while publishing to MLflow"
                 self.echo(f"paritylab: {self.tracking_error}; the run is marked KILLED")
                 with suppress(Exception):
-                    self.tracker.end("KILLED")
+                    self.connection.end("KILLED")
                 self._keep_for_upload()
                 status, code, error = "KILLED", EXIT_INTERRUPTED, error or "interrupted while publishing"
         except Exception as failure:  # a full disk, a bug: what is on disk stays; the MLflow run is not left RUNNING
             self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
             self.echo(f"paritylab: {self.tracking_error}")
             with suppress(Exception):
-                self.tracker.end("FAILED")
+                self.connection.end("FAILED")
         if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
             code = EXIT_ERROR  # the verdict is printed and kept on disk, but the run is not where it belongs
         if code == EXIT_PASS and self.regression is not None and self.regression.regressed:
@@ -189,9 +185,9 @@ class _Session:
             except OSError as failure:  # a full disk: say so in one line; the exit code still tells
                 self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
                 code = code if code != EXIT_PASS else EXIT_ERROR
-        return RunResult(
-            code, self.directory, self.report, self.tracker.run_id, error, self.tracking_error, self.notes, self.parity
-        )
+        run_id = self._run_id()
+        self.connection.close()
+        return RunResult(code, self.directory, self.report, run_id, error, self.tracking_error, self.notes, self.parity)
 
     def _write_run_summary(self, status: str, code: int, error: str | None) -> None:
         """``run.json``: the outcome in one small file (sweeps summarise these)."""
@@ -206,8 +202,8 @@ class _Session:
             "first_divergence": report.summary()["first_divergence"] if report is not None else None,
             "regression": self.regression.verdict if self.regression else None,
             "regressed_layers": self.regression.regressed if self.regression else [],
-            "run_id": self.tracker.run_id,
-            "link": self.tracker.link(),
+            "run_id": self._run_id(),
+            "link": self.connection.link(),
             "error": error,
             "tracking_error": self.tracking_error,
             "notes": self.notes,
@@ -315,12 +311,10 @@ class _Session:
         choice = str(self.cfg.compare.alignment or "baseline")
         if choice not in ("baseline", "fresh"):
             return Path(resolve_path(choice))
-        store = self.tracker.store()
-        if choice == "fresh" or store is None or self.tracker.run_id is None:
+        if choice == "fresh" or self._run_id() is None:
             return None
         try:
-            fingerprint = self.record.tags[FINGERPRINT]
-            found = baseline_alignment(store, fingerprint, self.tracker.run_id, self.directory / "baseline")
+            found = self.connection.baseline_alignment(self.record.tags[FINGERPRINT], self.directory / "baseline")
         except TrackingError as failure:
             self.notes.append(f"alignment: aligned anew (the baseline's could not be read: {failure})")
             return None
@@ -558,17 +552,32 @@ class _Session:
         if not tracking.enabled:
             return
         try:
-            tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
-            tracker.start(self.record.run_name, self.record.tags, (self.sweep or {}).get("parent_run_id"))
-            tracker.log_params(self.record.params)
-            self.tracker = tracker
-            if not self.sweep:  # a sweep closes them once, before its jobs start
-                stale = tracker.store().close_stale_runs()
-                if stale:
-                    self.echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
+            self.connection = connect(
+                self.record,
+                str(tracking.process),
+                float(tracking.timeout),
+                int(tracking.retries),
+                (self.sweep or {}).get("parent_run_id"),
+                close_stale=not self.sweep,  # a sweep closes them once, before its jobs start
+                echo=self.echo,
+            )
         except TrackingError as error:
-            self.tracking_error = str(error)
-            self.echo(f"paritylab: {error}; continuing without tracking")
+            self._without_tracking(error)
+
+    def _run_id(self) -> str | None:
+        """The MLflow run's id, once the connection has opened it (a child's set-up is waited for here, when
+        the run first needs it); ``None`` without tracking, or when the run could not be opened."""
+        try:
+            return self.connection.ready()
+        except TrackingError as error:
+            self._without_tracking(error)
+            return None
+
+    def _without_tracking(self, error: TrackingError) -> None:
+        self.tracking_error = str(error)
+        self.echo(f"paritylab: {error}; continuing without tracking")
+        self.connection.close()
+        self.connection = Connection()
 
     def _finish_tracking(self, status: str, error: str | None) -> None:
         verdict = run_verdict(self.report, status)
@@ -586,22 +595,22 @@ class _Session:
             write_key_map(self.directory, record.metrics)
         record.log_tensors = upload_tensors(record.log_tensors_mode, verdict, None)
         record.save(self.directory)
-        if self.tracker.run_id is None:
+        if self._run_id() is None:
             if self.tracking_error:
                 self._keep_for_upload()
             return
         try:
-            self.regression = publish(self.tracker, record, self.directory)
+            self.regression = self.connection.publish(self.directory)
             if self.regression is not None and self.regression.regressed:
                 regressed = ", ".join(self.regression.regressed)
                 self.echo(f"paritylab: REGRESSED against {self.regression.baseline_run_id}: {regressed}")
-            self.echo(f"paritylab: logged to MLflow: {self.tracker.link()}")
+            self.echo(f"paritylab: logged to MLflow: {self.connection.link()}")
         except TrackingError as failure:
             self.tracking_error = str(failure)
             self.echo(f"paritylab: {failure}")
             self._keep_for_upload()
             with suppress(TrackingError):
-                self.tracker.end("FAILED")
+                self.connection.end("FAILED")
 
     def _keep_for_upload(self) -> None:
         self.echo(

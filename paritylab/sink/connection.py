@@ -1,0 +1,83 @@
+"""A run's connection to MLflow: open the run, read the pair's baseline alignment, publish, end.
+
+What the runner needs from MLflow, as four operations whose arguments and results are plain data, so that the
+same connection can live in this process (:class:`InlineConnection`) or in a child process
+(:class:`paritylab.sink.worker.ChildConnection`, which runs an :class:`InlineConnection` there). The base class
+is the connection of a run without tracking: it opens nothing and publishes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from paritylab.sink.history import Regression, baseline_alignment
+from paritylab.sink.publish import RunRecord, publish
+from paritylab.sink.tracking import MlflowTracker
+
+
+class Connection:
+    """No tracking (``tracking.enabled=false``, or a store that could not be opened): nothing is logged."""
+
+    uri: str = ""
+
+    def ready(self) -> str | None:
+        """The MLflow run's id once it is open (a child's set-up is waited for here); ``None`` without tracking.
+        Raises :class:`~paritylab.sink.tracking.TrackingError` when the run could not be opened."""
+        return None
+
+    def link(self) -> str:
+        """Where to see the run: a URL, or the ``mlflow ui`` command for a local store; empty without tracking."""
+        return ""
+
+    def baseline_alignment(self, fingerprint: str, directory: Path) -> tuple[str, Path] | None:
+        """The pair's baseline run id and its ``report/alignment.yaml``, downloaded into ``directory``."""
+        return None
+
+    def publish(self, directory: Path) -> Regression | None:
+        """Publish the run directory's record (``tracking.json``) and files; the regression against the baseline."""
+        return None
+
+    def end(self, status: str) -> None:
+        """Mark the run ended (``FAILED``, ``KILLED``) without publishing."""
+
+    def close(self) -> None:
+        """Release the connection (a child process exits)."""
+
+
+class InlineConnection(Connection):
+    """MLflow in this process. Opening the run is immediate: the store is opened, the run created, its
+    parameters logged and (outside sweeps) runs left RUNNING by dead processes closed, before this returns."""
+
+    def __init__(
+        self,
+        record: RunRecord,
+        timeout: float,
+        retries: int,
+        parent_run_id: str | None = None,
+        close_stale: bool = True,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.tracker = MlflowTracker(record.uri, record.experiment, timeout, retries)
+        self.uri = self.tracker.uri
+        self.tracker.start(record.run_name, record.tags, parent_run_id)
+        self.tracker.log_params(record.params)
+        if close_stale:  # a sweep closes them once, before its jobs start
+            stale = self.tracker.store().close_stale_runs()
+            if stale:
+                echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
+
+    def ready(self) -> str | None:
+        return self.tracker.run_id
+
+    def link(self) -> str:
+        return self.tracker.link()
+
+    def baseline_alignment(self, fingerprint: str, directory: Path) -> tuple[str, Path] | None:
+        return baseline_alignment(self.tracker.store(), fingerprint, self.tracker.run_id, directory)
+
+    def publish(self, directory: Path) -> Regression | None:
+        return publish(self.tracker, RunRecord.load(directory), directory)
+
+    def end(self, status: str) -> None:
+        self.tracker.end(status)
