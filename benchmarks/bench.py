@@ -1,19 +1,20 @@
-"""paritylab benchmark on llava-bench: tracing, storage, comparison and logging against a plain forward and
-transformers' debugger, measured in one run, interleaved, median of several repetitions after a warm-up.
+"""paritylab benchmark on llava-bench: capture, storage, comparison and logging against a plain forward, naive
+hooks, transformers' debugger and (when installed) TorchLens, measured in one run, interleaved, median of several
+repetitions after a warm-up.
 
     python benchmarks/bench.py [--reps 11] [--device cpu|cuda] [--attention sdpa|eager] [--quick]
 
-llava-bench: transformers LlavaForConditionalGeneration, random init, CLIP vision tower and Llama text
-model with hidden size 512, 8 + 8 layers, 8 heads, a 224x224 image with patch 14 (256 image tokens)
-plus 64 text tokens, fp32, transformers' default attention (sdpa; ``--attention eager`` also stores the
-attention probabilities every eager attention module returns). Ratios are medians of per-round ratios
-(each round runs every mode back to back, so slow phases of a noisy machine cancel). Peak memory is
-measured in fresh subprocesses (one per mode), since a process's peak RSS only ever grows.
+llava-bench (``benchmarks/llava_bench.py``) is built through the run's own configuration: the model and inputs
+``python -m paritylab`` builds at that size, eager attention as configured (``--attention sdpa`` for PyTorch's
+kernel). Ratios are medians of per-round ratios (each round runs every mode back to back, so slow phases of a noisy
+machine cancel). Peak memory is measured in fresh subprocesses, one per mode, each warmed up by a forward of its own
+mode, since a process's peak RSS only ever grows. Everything is written into temporary directories that are removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -33,29 +34,9 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 import paritylab  # noqa: E402
-from paritylab.run.references import llava  # noqa: E402
+from benchmarks import llava_bench  # noqa: E402
 
-TEXT_TOKENS = 64
-
-
-BENCH_SIZE = dict(hidden_size=512, layers=8, heads=8, image_size=224, patch_size=14, vocab_size=32064)
-QUICK_SIZE = dict(hidden_size=128, layers=2, heads=4, image_size=56)
-
-
-def llava_bench(
-    device: str = "cpu", quick: bool = False, attention: str = "sdpa"
-) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The benchmark model and its inputs (``quick``: a smaller model for a smoke run)."""
-    params = {**BENCH_SIZE, **(QUICK_SIZE if quick else {})}
-    model = llava(**params, intermediate_size=None, attn_implementation=attention).to(device)
-    config = model.config
-    image_tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.image_token_index - 1, (1, TEXT_TOKENS + image_tokens), generator=generator)
-    ids[:, 1 : 1 + image_tokens] = config.image_token_index
-    size_px = config.vision_config.image_size
-    pixels = torch.randn(1, 3, size_px, size_px, generator=generator)
-    return model, {"input_ids": ids.to(device), "pixel_values": pixels.to(device)}
+BENCH_SIZE, QUICK_SIZE = llava_bench.SIZE, llava_bench.QUICK_SIZE
 
 
 def plain(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
@@ -73,6 +54,59 @@ def full_capture(model: torch.nn.Module, inputs: dict[str, torch.Tensor], direct
         model(**inputs)
 
 
+def _hooked(model: torch.nn.Module, inputs: dict[str, torch.Tensor], keep: Callable[[str, torch.Tensor], None]) -> None:
+    """A forward with a forward hook on every module handing each tensor output to ``keep``."""
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            items: Any = [output] if isinstance(output, torch.Tensor) else []
+            if isinstance(output, dict):  # transformers' ModelOutput
+                items = list(output.values())
+            elif isinstance(output, tuple | list):
+                items = output
+            for index, item in enumerate(items):
+                if isinstance(item, torch.Tensor):
+                    keep(f"{name}.{index}", item)
+
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def hooks_references(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
+    """What a library that keeps a reference to every output does: no copy, no statistics, nothing written."""
+    kept: list[torch.Tensor] = []
+    _hooked(model, inputs, lambda _name, tensor: kept.append(tensor))
+
+
+def hooks_copies(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
+    """Naive hooks: a copy of every output, kept in a list."""
+    kept: list[torch.Tensor] = []
+    _hooked(model, inputs, lambda _name, tensor: kept.append(tensor.detach().clone()))
+
+
+def hooks_safetensors(model: torch.nn.Module, inputs: dict[str, torch.Tensor], directory: Path) -> None:
+    """Naive hooks: a copy of every output, written to one safetensors file at the end."""
+    from safetensors.torch import save_file
+
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        key = name
+        while key in kept:  # a module called again
+            key += "+"
+        kept[key] = tensor.detach().clone().contiguous()
+
+    _hooked(model, inputs, keep)
+    save_file(kept, str(directory / "hooks.safetensors"))
+
+
 def hf_debugger(model: torch.nn.Module, inputs: dict[str, torch.Tensor], directory: Path) -> None:
     from transformers.model_debugging_utils import model_addition_debugger_context
 
@@ -80,12 +114,36 @@ def hf_debugger(model: torch.nn.Module, inputs: dict[str, torch.Tensor], directo
         model(**inputs)
 
 
+def torchlens_trace(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
+    """TorchLens (every tensor operation logged, its output kept in memory)."""
+    import torchlens
+
+    with torch.no_grad():
+        torchlens.trace(model, input_kwargs=inputs)
+
+
 MODES: dict[str, Callable[[torch.nn.Module, dict[str, torch.Tensor], Path], None]] = {
     "plain": plain,
     "stats": stats_only,
     "full": full_capture,
+    "hooks_references": hooks_references,
+    "hooks_copies": hooks_copies,
+    "hooks_safetensors": hooks_safetensors,
     "hf_debugger": hf_debugger,
 }
+LIBRARIES = {"torchlens": torchlens_trace}
+"""Other capture libraries, measured when installed (``pip install torchlens``)."""
+
+
+def available_modes(libraries: bool = True) -> list[str]:
+    names = list(MODES)
+    if libraries:
+        names += [name for name in LIBRARIES if importlib.util.find_spec(name) is not None]
+    return names
+
+
+def _mode(name: str) -> Callable[[torch.nn.Module, dict[str, torch.Tensor], Path], None]:
+    return MODES.get(name) or LIBRARIES[name]
 
 
 def _sync(device: str) -> None:
@@ -93,20 +151,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_modes(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reps: int, device: str) -> dict[str, Any]:
+def time_modes(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], reps: int, device: str, names: list[str]
+) -> dict[str, Any]:
     """Median seconds per mode and median per-round ratio to the plain forward, interleaved (plain, stats,
-    full, debugger, plain, ...) after a warm-up round."""
+    full, hooks, debugger, ..., plain, ...) after a warm-up round."""
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-bench-"))
-    times: dict[str, list[float]] = {name: [] for name in MODES}
+    times: dict[str, list[float]] = {name: [] for name in names}
     written: dict[str, dict[str, int]] = {}
     try:
         for round_index in range(reps + 1):
-            for name, mode in MODES.items():
+            for name in names:
                 directory = scratch / f"{name}-{round_index}"
                 directory.mkdir()
                 _sync(device)
                 start = time.perf_counter()
-                mode(model, inputs, directory)
+                _mode(name)(model, inputs, directory)
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 if round_index:  # round 0 warms up
@@ -131,55 +191,78 @@ def _footprint(directory: Path) -> dict[str, int]:
 PEAK_PROBE = """
 import gc, pathlib, sys, tempfile
 sys.path.insert(0, {repo!r})
-from benchmarks.bench import llava_bench, MODES
-model, inputs = llava_bench({device!r}, {quick!r}, {attention!r})
+from benchmarks import llava_bench
+from benchmarks.bench import _mode
+model, inputs = llava_bench.build({quick!r}, {attention!r}, {device!r})
+run = _mode({mode!r})
 with tempfile.TemporaryDirectory(prefix="paritylab-peak-") as scratch:  # removed at the end, whatever happens
-    MODES["plain"](model, inputs, pathlib.Path(scratch))  # warm-up: allocator caches, lazy imports
+    for name in ("warm-up", "measured"):
+        (pathlib.Path(scratch) / name).mkdir()
+    run(model, inputs, pathlib.Path(scratch) / "warm-up")  # this mode's own warm-up: caches, lazy imports, pools
     gc.collect()
     status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
     before = status("VmRSS:")
-    MODES[{mode!r}](model, inputs, pathlib.Path(scratch))
+    run(model, inputs, pathlib.Path(scratch) / "measured")
     print(before, status("VmHWM:"))
 """
 
 
-def peak_memory(mode: str, device: str, quick: bool, attention: str) -> float:
-    """Peak RSS growth (MB) of one ``mode`` forward in a fresh process, model already built and warmed up."""
+def peak_memory(mode: str, device: str, quick: bool, attention: str | None) -> float:
+    """Peak RSS growth (MB) of one ``mode`` forward in a fresh process, after a warm-up forward of that mode."""
     code = PEAK_PROBE.format(repo=str(REPOSITORY), device=device, quick=quick, mode=mode, attention=attention)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"peak memory of {mode}: {result.stderr.strip().splitlines()[-1:]}")
     before, peak = (int(value) for value in result.stdout.split()[-2:])
     return (peak - before) / 1024
 
 
-def comparison_throughput(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, float], Any]:
-    """GB of tensor data (both sides) compared per second, for two full traces of the same model;
-    also returns the report (its metrics are what a llava-bench run logs)."""
+def comparison_throughput(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], scratch: Path
+) -> tuple[dict[str, float], Any]:
+    """GB of tensor data (both sides) compared per second, for two full traces of the same model written into
+    ``scratch`` (``a`` and ``b``); also returns the report (its metrics are what a llava-bench run logs)."""
     from paritylab import Trace
     from paritylab.comparison.report import compare_traces
 
-    scratch = Path(tempfile.mkdtemp(prefix="paritylab-compare-"))
-    try:
-        for side in ("a", "b"):
-            full_capture(model, inputs, scratch / side)
-        reference = Trace.load(scratch / "a")
-        compare_traces(reference, Trace.load(scratch / "b"))  # warm-up (page cache, imports)
+    for side in ("a", "b"):
+        full_capture(model, inputs, scratch / side)
+    reference = Trace.load(scratch / "a")
+    compare_traces(reference, Trace.load(scratch / "b"))  # warm-up (page cache, imports)
+    rounds = []
+    for _ in range(3):
         start = time.perf_counter()
         report = compare_traces(Trace.load(scratch / "a"), Trace.load(scratch / "b"))
-        elapsed = time.perf_counter() - start
-        compared, seen = 0, set()
-        for row in report.rows:  # each distinct pair of stored tensors counts once (repeats are memoised)
-            if row.status != "compared" or row.reference.slot is None:
-                continue
-            node = dict(reference.call(row.reference.key).tensors("outputs"))[row.reference.slot]
-            if node.get("ref") in seen:
-                continue
-            seen.add(node.get("ref"))
-            element_size = torch.empty(0, dtype=getattr(torch, row.reference.dtype)).element_size()
-            compared += 2 * math.prod(row.reference.shape) * element_size
-        return {"seconds": elapsed, "gigabytes": compared / 1e9, "gb_per_s": compared / 1e9 / elapsed}, report
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        rounds.append(time.perf_counter() - start)
+    elapsed = statistics.median(rounds)
+    compared, seen = 0, set()
+    for row in report.rows:  # each distinct pair of stored tensors counts once (repeats are memoised)
+        if row.status != "compared" or row.reference.slot is None:
+            continue
+        node = dict(reference.call(row.reference.key).tensors("outputs"))[row.reference.slot]
+        if node.get("ref") in seen:
+            continue
+        seen.add(node.get("ref"))
+        element_size = torch.empty(0, dtype=getattr(torch, row.reference.dtype)).element_size()
+        compared += 2 * math.prod(row.reference.shape) * element_size
+    return {"seconds": elapsed, "gigabytes": compared / 1e9, "gb_per_s": compared / 1e9 / elapsed}, report
+
+
+def compare_cli(scratch: Path, in_process: float, rounds: int = 3) -> dict[str, float]:
+    """``paritylab-compare a b`` (``python -m paritylab.cli.compare``) against ``python -c "import torch"`` plus the in-process comparison,
+    whole processes, interleaved; medians."""
+    command = [sys.executable, "-m", "paritylab.cli.compare", str(scratch / "a"), str(scratch / "b")]
+    times: dict[str, list[float]] = {"cli": [], "import_torch": []}
+    for _ in range(rounds + 1):
+        for name, argv in (("import_torch", [sys.executable, "-c", "import torch"]), ("cli", command)):
+            start = time.perf_counter()
+            done = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True, timeout=600)
+            if done.returncode not in (0, 1):  # 1: the traces differ (they do not here)
+                raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-300:]}")
+            times[name].append(time.perf_counter() - start)
+    cli, torch_import = (statistics.median(times[name][1:]) for name in ("cli", "import_torch"))
+    return {"cli_s": cli, "import_torch_s": torch_import, "ratio": cli / (torch_import + in_process)}
 
 
 def logging_time(report: Any) -> dict[str, float]:
@@ -204,41 +287,56 @@ def logging_time(report: Any) -> dict[str, float]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def default_run_wall() -> float:
-    """Wall seconds of ``python -m paritylab model=llava candidate=port`` in a fresh directory."""
-    scratch = Path(tempfile.mkdtemp(prefix="paritylab-run-"))
-    try:
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "paritylab", "model=llava", "candidate=port"],
-            cwd=scratch, check=True, capture_output=True, timeout=600,
-        )  # fmt: skip
-        return time.perf_counter() - start
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+FLOOR = """
+import sys, torch
+sys.path.insert(0, {repository!r})
+from paritylab.cli.app import compose
+from paritylab.run.candidates import build_candidate, instantiate
+from paritylab.run.inputs import build_inputs
+cfg = compose({overrides!r})
+torch.manual_seed(0)
+reference = instantiate("model.build", cfg.model.build)
+inputs = build_inputs(cfg.inputs, cfg.model.family, reference, None)
+with torch.no_grad():
+    reference(**inputs)
+if {both!r}:
+    candidate = build_candidate(cfg.candidate, cfg.model.family, reference).model
+    with torch.no_grad():
+        candidate(**{{k: v.to(torch.bfloat16) if v.is_floating_point() and {bf16!r} else v for k, v in inputs.items()}})
+"""
+"""The least any parity tool must do: build the reference (and the candidate) and run one forward each."""
 
 
-RESIDENT_RUN = [
-    "model=llava", "candidate=port", "compare.replay=false", "tracking=off", "inputs.prompt_length=64",
-    *(f"model.build.{key}={value}" for key, value in BENCH_SIZE.items()), "+model.build.intermediate_size=null",
-]  # fmt: skip
+def floor_code(overrides: list[str], both: bool = True) -> str:
+    bf16 = "candidate=bf16" in overrides
+    return FLOOR.format(repository=str(REPOSITORY), overrides=overrides, both=both, bf16=bf16)
 
 
-def resident_peaks(device: str) -> dict[str, float]:
-    """Peak anonymous memory (MB, sampled every 5 ms) of a llava-bench parity run with resident=both and one."""
+def resident_peaks(device: str, quick: bool, attention: str | None) -> dict[str, float]:
+    """Peak anonymous memory (MB, sampled every 5 ms) of a llava-bench parity run with resident=both and one,
+    against building the two models and running one forward each (``floor_both``) and the reference alone
+    (``floor_one``), each a fresh process. MLflow is off here: its child process is not the run's memory."""
+    base = [*llava_bench.overrides(quick, attention), "candidate=port"]
+    commands = {
+        "floor_both": [sys.executable, "-c", floor_code(base)],
+        "floor_one": [sys.executable, "-c", floor_code(base, both=False)],
+        **{
+            mode: [sys.executable, "-m", "paritylab", *base, "tracking=off", f"resident={mode}", f"device={device}"]
+            for mode in ("both", "one")
+        },
+    }
     peaks = {}
-    for mode in ("both", "one"):
+    for name, command in commands.items():
         scratch = Path(tempfile.mkdtemp(prefix="paritylab-resident-"))
         try:
-            command = [sys.executable, "-m", "paritylab", *RESIDENT_RUN, f"resident={mode}", f"device={device}"]
             process = subprocess.Popen(command, cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             peak = 0
             while process.poll() is None:
                 peak = max(peak, _anonymous_kb(process.pid))
                 time.sleep(0.005)
-            if process.returncode != 0:
-                raise RuntimeError(f"resident={mode} run exited {process.returncode}: {' '.join(command)}")
-            peaks[mode] = peak / 1024
+            if process.returncode not in (0, 1):  # 1: a port that differs is still a run that finished
+                raise RuntimeError(f"{name} exited {process.returncode}: {' '.join(command)}")
+            peaks[name] = peak / 1024
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return peaks
@@ -258,18 +356,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=REPOSITORY / "benchmarks" / "results.json")
     parser.add_argument("--quick", action="store_true", help="a small model and few repetitions (smoke test)")
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--attention", choices=["sdpa", "eager"], help="default: the run's configuration (eager)")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--no-libraries", action="store_true", help="skip other capture libraries (TorchLens)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    torch.manual_seed(0)
-    model, inputs = llava_bench(args.device, args.quick, args.attention)
-    timing = time_modes(model, inputs, args.reps, args.device)
+    model, inputs = llava_bench.build(args.quick, args.attention, args.device)
+    names = available_modes(not args.no_libraries)
+    timing = time_modes(model, inputs, args.reps, args.device, names)
     seconds = timing["seconds"]
     results: dict[str, Any] = {
         "device": args.device,
-        "attention": args.attention,
+        "attention": args.attention or str(model.config.text_config._attn_implementation),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "reps": args.reps,
@@ -280,55 +379,73 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bytes_full_vs_hf": timing["written"]["full"]["bytes"] / max(1, timing["written"]["hf_debugger"]["bytes"]),
     }
     if not args.skip_memory:
-        peaks = {name: peak_memory(name, args.device, args.quick, args.attention) for name in MODES}
+        peaks = {name: peak_memory(name, args.device, args.quick, args.attention) for name in names}
         results["forward_peak_growth_mb"] = peaks
-        results["extra_peak_mb"] = {name: peaks[name] - peaks["plain"] for name in MODES}
-    results["comparison"], report = comparison_throughput(model, inputs)
+        results["extra_peak_mb"] = {name: peaks[name] - peaks["plain"] for name in names}
+    scratch = Path(tempfile.mkdtemp(prefix="paritylab-compare-"))
+    try:
+        results["comparison"], report = comparison_throughput(model, inputs, scratch)
+        results["compare_cli"] = compare_cli(scratch, results["comparison"]["seconds"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     results["logging"] = logging_time(report)
-    results["default_run_seconds"] = default_run_wall()
-    if not args.skip_memory and not args.quick:
-        results["resident_peak_anon_mb"] = resident_peaks(args.device)
+    if not args.skip_memory:
+        results["resident_peak_anon_mb"] = resident_peaks(args.device, args.quick, args.attention)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     print(render(results))
     return results
 
 
+LABELS = {
+    "plain": "plain forward",
+    "stats": "paritylab stats only",
+    "full": "paritylab full capture",
+    "hooks_references": "hooks keeping references",
+    "hooks_copies": "hooks keeping copies",
+    "hooks_safetensors": "hooks + one safetensors file",
+    "hf_debugger": "transformers debugger",
+    "torchlens": "TorchLens",
+}
+TARGETS = {"stats": "target <= 1.08x", "full": "target <= 1.2x"}
+
+
 def render(results: dict[str, Any]) -> str:
     ratio, seconds, written = results["ratio_to_plain"], results["seconds"], results["written"]
+    extra = results.get("extra_peak_mb", {})
     lines = [
         f"llava-bench ({results['attention']} attention) on {results['device']} ({results['threads']} threads), "
         f"median of {results['reps']} interleaved rounds",
-        f"  plain forward             {seconds['plain'] * 1000:8.1f} ms   1.00x",
-        f"  paritylab stats only      {seconds['stats'] * 1000:8.1f} ms   {ratio['stats']:.2f}x  (target <= 1.08x)",
-        f"  paritylab full capture    {seconds['full'] * 1000:8.1f} ms   {ratio['full']:.2f}x  (target <= 1.2x)",
-        f"  transformers debugger     {seconds['hf_debugger'] * 1000:8.1f} ms   {ratio['hf_debugger']:.2f}x",
-        f"  full capture vs debugger  time {results['full_vs_hf_debugger_time']:.2f}x, "
-        f"bytes {results['bytes_full_vs_hf']:.2f}x (target <= 0.6x)",
-        f"  written: full {written['full']['bytes'] / 1e6:.0f} MB in {written['full']['files']} files; "
-        f"debugger {written['hf_debugger']['bytes'] / 1e6:.0f} MB in {written['hf_debugger']['files']} files",
+        f"  {'mode':30} {'time':>9} {'ratio':>6} {'extra peak':>11} {'written':>16}",
     ]
-    if "extra_peak_mb" in results:
-        extra = results["extra_peak_mb"]
-        lines.append(
-            f"  peak RSS over plain: stats {extra['stats']:.0f} MB, full {extra['full']:.0f} MB (target <= 64), "
-            f"debugger {extra['hf_debugger']:.0f} MB"
-        )
-    comparison = results["comparison"]
+    for name, value in seconds.items():
+        memory = f"{extra[name]:+8.0f} MB" if name in extra else ""
+        files = written[name]
+        wrote = f"{files['bytes'] / 1e6:6.0f} MB in {files['files']:3d}" if files["files"] else ""
+        target = f"  ({TARGETS[name]})" if name in TARGETS else ""
+        lines.append(f"  {LABELS[name]:30} {value * 1000:6.0f} ms {ratio[name]:5.2f}x {memory:>11} {wrote:>16}{target}")
+    lines.append(
+        f"  full capture vs debugger: time {results['full_vs_hf_debugger_time']:.2f}x, "
+        f"bytes {results['bytes_full_vs_hf']:.2f}x; extra peak memory target <= 64 MB"
+    )
+    comparison, cli = results["comparison"], results["compare_cli"]
     lines.append(
         f"  comparison: {comparison['gigabytes']:.2f} GB in {comparison['seconds']:.2f} s = "
         f"{comparison['gb_per_s']:.2f} GB/s (target >= 2)"
     )
     lines.append(
-        f"  logging {results['logging']['metrics']} metrics to SQLite: {results['logging']['seconds']:.2f} s "
-        "(target <= 1.5)"
+        f"  paritylab-compare CLI: {cli['cli_s']:.2f} s = {cli['ratio']:.2f}x "
+        f"(import torch {cli['import_torch_s']:.2f} s + in-process comparison; target <= 1.5x)"
     )
-    lines.append(f"  default parity run: {results['default_run_seconds']:.1f} s wall (target <= 15)")
+    lines.append(f"  logging {results['logging']['metrics']} metrics to SQLite: {results['logging']['seconds']:.2f} s")
     if "resident_peak_anon_mb" in results:
-        resident = results["resident_peak_anon_mb"]
+        peak = results["resident_peak_anon_mb"]
         lines.append(
-            f"  llava-bench parity run, peak anonymous memory: resident=both {resident['both']:.0f} MB, "
-            f"resident=one {resident['one']:.0f} MB"
+            f"  parity run, peak anonymous memory: resident=both {peak['both']:.0f} MB = "
+            f"{peak['both'] / peak['floor_both']:.2f}x two models + forwards "
+            f"({peak['floor_both']:.0f} MB; target <= 1.2x);"
+            f" resident=one {peak['one']:.0f} MB = {peak['one'] / peak['floor_one']:.2f}x the reference + its forward "
+            f"({peak['floor_one']:.0f} MB)"
         )
     return "\n".join(lines)
 
