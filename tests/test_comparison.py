@@ -381,3 +381,27 @@ def test_systematic_z_finds_offsets_below_bf16_rounding_and_ignores_rounding_sha
     shared = systematic_z(reference, floor, (reference * (1 + 2e-2 * signs)).bfloat16())  # one gain per row
     assert abs(shared["gain_z"]) < 3  # 32 rows of evidence: values taken one by one would say 10 standard errors
     assert systematic_z(reference[:1, :8], floor[:1, :8], floor[:1, :8] * 2)["gain_z"] == 0.0  # too few values
+
+
+def test_elements_outside_tolerance_are_counted_exactly_across_chunks():
+    """``frac_outside`` counts ``|c − r| > atol + rtol·|r|`` exactly, in every chunk of a long tensor, whether or
+    not a chunk's largest difference is within ``atol`` (where the count is known to be 0 without a pass)."""
+    import paritylab.comparison.metrics as metrics
+
+    tolerance = Tolerance(rtol=1e-2, atol=1e-3)
+    reference = torch.linspace(-4, 4, 3 * metrics._CHUNK + 17, dtype=torch.float64).to(torch.float32)
+    candidate = reference.clone()
+    candidate[: metrics._CHUNK] += 5e-4  # first chunk: every difference within atol
+    outside = torch.arange(2 * metrics._CHUNK, reference.numel(), 997)  # later chunks: some beyond the bound
+    candidate[outside] += 1e-3 + 2e-2 * reference[outside].abs()
+    within_bound = torch.arange(2 * metrics._CHUNK + 5, reference.numel(), 991)  # ... and some just inside it
+    within_bound = within_bound[~torch.isin(within_bound, outside)]
+    candidate[within_bound] += 0.5e-3 + 0.5e-2 * reference[within_bound].abs()
+    expected = (candidate.double() - reference.double()).abs() > 1e-3 + 1e-2 * reference.double().abs()
+    result = divergence(reference, candidate, tolerance)
+    assert int(expected.sum()) == outside.numel()
+    assert result["frac_outside"] == pytest.approx(outside.numel() / reference.numel(), rel=1e-12)
+    assert divergence(reference, reference + 5e-4, tolerance)["frac_outside"] == 0.0
+    assert divergence(reference, reference + 2e-3, tolerance)["frac_outside"] == pytest.approx(
+        float(((1e-3 + 1e-2 * reference.double().abs() < 2e-3).sum()) / reference.numel()), rel=1e-6
+    )
