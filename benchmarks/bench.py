@@ -251,8 +251,7 @@ def comparison_throughput(
 
 def compare_cli(scratch: Path, in_process: float, rounds: int = 3) -> dict[str, float]:
     """``paritylab-compare a b`` (``python -m paritylab.cli.compare``) against ``python -c "import torch"`` plus
-    the in-process comparison,
-    whole processes, interleaved; medians."""
+    the in-process comparison, whole processes, interleaved; medians."""
     command = [sys.executable, "-m", "paritylab.cli.compare", str(scratch / "a"), str(scratch / "b")]
     times: dict[str, list[float]] = {"cli": [], "import_torch": []}
     for _ in range(rounds + 1):
