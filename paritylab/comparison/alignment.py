@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy
+
 from paritylab.comparison.patterns import compile_pattern, fill
 from paritylab.tracing.structure import MASK, ModulePrint, inner_digests, prints_from_meta, restrict_to_called
 from paritylab.tracing.tracefile import CallRecord, Trace
@@ -664,21 +666,59 @@ def _runs(
     return found
 
 
-_AxisIndex = dict[int, list[tuple[str, str, int, int]]]
-"""Row or column hash -> (module path, parameter name, axis, position) of every 2-D parameter holding it."""
+@dataclass(frozen=True)
+class _AxisIndex:
+    """Every row and column hash of the 2-D parameters of some modules, sorted, with where each sits: ``owners``
+    indexes ``keys`` (module path, parameter name, axis), ``positions`` is the row or column. Built from the hashes'
+    bytes with numpy: llava-bench's 150,000 rows and columns took 0.29 s as a dict of Python lists."""
+
+    hashes: numpy.ndarray
+    owners: numpy.ndarray
+    positions: numpy.ndarray
+    keys: list[tuple[str, str, int]]
+
+    def find(self, values: numpy.ndarray) -> dict[tuple[str, str, int], list[int]]:
+        """For each (path, parameter, axis) holding any of ``values``: the positions there of the values it holds,
+        in the order of ``values``; owners in the order they are first met."""
+        left = numpy.searchsorted(self.hashes, values, "left")
+        counts = numpy.searchsorted(self.hashes, values, "right") - left
+        total = int(counts.sum())
+        if not total:
+            return {}
+        ends = numpy.cumsum(counts)
+        at = numpy.repeat(left - (ends - counts), counts) + numpy.arange(total)  # every match, value by value
+        owners, positions = self.owners[at], self.positions[at]
+        unique, first = numpy.unique(owners, return_index=True)
+        return {
+            self.keys[int(owner)]: positions[owners == owner].tolist()
+            for owner in unique[numpy.argsort(first, kind="stable")]
+        }
 
 
 def _axis_index(prints: dict[str, ModulePrint], paths: set[str]) -> _AxisIndex:
-    index: _AxisIndex = {}
-    for path in paths:
+    hashes: list[numpy.ndarray] = []
+    owners: list[numpy.ndarray] = []
+    positions: list[numpy.ndarray] = []
+    keys: list[tuple[str, str, int]] = []
+    for path in sorted(paths):
         item = prints.get(path)
         if item is None:
             continue
         for param in item.params:
-            for axis, hashes in ((0, param.rows), (1, param.cols)):
-                for position, value in enumerate(hashes):
-                    index.setdefault(value, []).append((path, param.name, axis, position))
-    return index
+            for axis, raw in ((0, param.row_bytes), (1, param.col_bytes)):
+                if not raw:
+                    continue
+                values = numpy.frombuffer(raw, dtype="<u8")
+                hashes.append(values)
+                owners.append(numpy.full(len(values), len(keys), dtype=numpy.int64))
+                positions.append(numpy.arange(len(values), dtype=numpy.int64))
+                keys.append((path, param.name, axis))
+    if not keys:
+        empty = numpy.zeros(0, dtype=numpy.int64)
+        return _AxisIndex(numpy.zeros(0, dtype="<u8"), empty, empty, keys)
+    every = numpy.concatenate(hashes)
+    order = numpy.argsort(every, kind="stable")  # equal hashes keep the order of their owners
+    return _AxisIndex(every[order], numpy.concatenate(owners)[order], numpy.concatenate(positions)[order], keys)
 
 
 def _widths(calls: Iterable[CallRecord]) -> dict[str, set[int]]:
@@ -705,14 +745,11 @@ def _locate(
     if item is None or not shape:
         return None
     for param in item.params:
-        for hashes in (param.rows, param.cols):
-            if len(hashes) != shape[-1] or len(set(hashes)) != len(hashes):
+        for raw in (param.row_bytes, param.col_bytes):
+            hashes = numpy.frombuffer(raw, dtype="<u8")
+            if len(hashes) != shape[-1] or len(numpy.unique(hashes)) != len(hashes):
                 continue
-            owners: dict[tuple[str, str, int], list[int]] = {}
-            for value in hashes:
-                for path, name, axis, position in index.get(value, ()):
-                    owners.setdefault((path, name, axis), []).append(position)
-            for (path, name, axis), positions in owners.items():
+            for (path, name, axis), positions in index.find(hashes).items():
                 other = next(p for p in prints[path].params if p.name == name)
                 if path == item.path or len(positions) != len(hashes) or len(positions) == other.shape[axis]:
                     continue  # not a strict part (equal weights are paired by fingerprint)

@@ -72,8 +72,11 @@ class ChildConnection(Connection):
         """Seconds the run spent waiting for the child (its set-up not yet done when the run needed it)."""
         self._opened: dict[str, Any] | None = None
         self._unread = 0
+        package_root = str(Path(__file__).resolve().parents[2])  # this paritylab, however the run found it
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "paritylab.sink.worker"],
+            env={**os.environ, "PYTHONPATH": path},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C in the terminal is the run's to handle, not the child's
