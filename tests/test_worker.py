@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,9 @@ from mlflow.tracking import MlflowClient
 
 from paritylab.cli.app import compose
 from paritylab.run.runner import run
+from paritylab.sink.connection import Opening
 from paritylab.sink.publish import RunRecord
-from paritylab.sink.tracking import TrackingError
+from paritylab.sink.tracking import Metric, TrackingError
 from paritylab.sink.worker import ChildConnection
 from tests.helpers import migrated_store
 from tests.test_runner import _user_candidate
@@ -81,7 +81,7 @@ def test_a_ctrl_c_while_the_child_waits_on_a_server_interrupts_the_child_too(tmp
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        connection = ChildConnection(_record(f"http://127.0.0.1:{silent.getsockname()[1]}"), 30.0, 0)
+        connection = ChildConnection(Opening(_record(f"http://127.0.0.1:{silent.getsockname()[1]}"), 30.0, 0))
 
         def interrupt(*_: object) -> None:
             raise KeyboardInterrupt
@@ -103,7 +103,7 @@ def test_a_ctrl_c_while_the_child_waits_on_a_server_interrupts_the_child_too(tmp
 
 
 def test_a_child_that_dies_is_a_tracking_error_not_a_hang(tmp_path):
-    connection = ChildConnection(_record(migrated_store(tmp_path / "mlflow.db")), 10.0, 0)
+    connection = ChildConnection(Opening(_record(migrated_store(tmp_path / "mlflow.db")), 10.0, 0))
     connection.process.kill()
     with pytest.raises(TrackingError, match="worker process ended while asked to open the run"):
         connection.ready()
@@ -114,7 +114,8 @@ def test_the_child_opens_the_run_it_is_given(tmp_path):
     uri = migrated_store(tmp_path / "mlflow.db")
     record = _record(uri)
     record.tags = {"paritylab.verdict": "pending"}
-    connection = ChildConnection(record, 10.0, 0)
+    record.metrics = [Metric("summary/failing_modules", 3.0)]  # published at the end, not sent to open the run
+    connection = ChildConnection(Opening(record, 10.0, 0))
     run_id = connection.ready()
     assert run_id is not None and run_id in connection.link()
     logged = MlflowClient(uri).get_run(run_id)
@@ -123,4 +124,6 @@ def test_the_child_opens_the_run_it_is_given(tmp_path):
     connection.end("FAILED")
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
     connection.close()
-    assert connection.process.returncode == 0 and asdict(record)["metrics"] == []
+    assert connection.process.returncode == 0
+    assert Opening(record).to_json()["record"]["metrics"] == [] and record.metrics[0].value == 3.0
+    assert Opening.from_json(Opening(record).to_json()).record.tags == record.tags

@@ -47,7 +47,7 @@ from paritylab.run.parity import (
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
-from paritylab.sink.connection import Connection
+from paritylab.sink.connection import Connection, Opening
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
@@ -552,15 +552,14 @@ class _Session:
         if not tracking.enabled:
             return
         try:
-            self.connection = connect(
+            opening = Opening(
                 self.record,
-                str(tracking.process),
                 float(tracking.timeout),
                 int(tracking.retries),
                 (self.sweep or {}).get("parent_run_id"),
                 close_stale=not self.sweep,  # a sweep closes them once, before its jobs start
-                echo=self.echo,
             )
+            self.connection = connect(opening, str(tracking.process), self.echo)
         except TrackingError as error:
             self._without_tracking(error)
 

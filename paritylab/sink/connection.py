@@ -9,11 +9,35 @@ is the connection of a run without tracking: it opens nothing and publishes noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from paritylab.sink.history import Regression, baseline_alignment
 from paritylab.sink.publish import RunRecord, publish
 from paritylab.sink.tracking import MlflowTracker
+
+
+@dataclass
+class Opening:
+    """What opening a run takes: its record (name, experiment, store, tags, parameters) and how to reach the store."""
+
+    record: RunRecord
+    timeout: float = 10.0
+    retries: int = 1
+    parent_run_id: str | None = None
+    """A sweep's parent run."""
+    close_stale: bool = True
+    """Close runs left RUNNING by dead processes (a sweep does it once, before its jobs start)."""
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["record"]["metrics"] = []  # opening needs the name, tags and parameters only
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Opening:
+        return cls(**{**data, "record": RunRecord(**data["record"])})
 
 
 class Connection:
@@ -49,20 +73,13 @@ class InlineConnection(Connection):
     """MLflow in this process. Opening the run is immediate: the store is opened, the run created, its
     parameters logged and (outside sweeps) runs left RUNNING by dead processes closed, before this returns."""
 
-    def __init__(
-        self,
-        record: RunRecord,
-        timeout: float,
-        retries: int,
-        parent_run_id: str | None = None,
-        close_stale: bool = True,
-        echo: Callable[[str], None] = print,
-    ) -> None:
-        self.tracker = MlflowTracker(record.uri, record.experiment, timeout, retries)
+    def __init__(self, opening: Opening, echo: Callable[[str], None] = print) -> None:
+        record = opening.record
+        self.tracker = MlflowTracker(record.uri, record.experiment, opening.timeout, opening.retries)
         self.uri = self.tracker.uri
-        self.tracker.start(record.run_name, record.tags, parent_run_id)
+        self.tracker.start(record.run_name, record.tags, opening.parent_run_id)
         self.tracker.log_params(record.params)
-        if close_stale:  # a sweep closes them once, before its jobs start
+        if opening.close_stale:
             stale = self.tracker.store().close_stale_runs()
             if stale:
                 echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")

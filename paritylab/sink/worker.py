@@ -28,46 +28,29 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from paritylab.sink.connection import Connection, InlineConnection
+from paritylab.sink.connection import Connection, InlineConnection, Opening
 from paritylab.sink.history import Regression
-from paritylab.sink.publish import RunRecord
 from paritylab.sink.tracking import TrackingError
 
 
-def connect(
-    record: RunRecord,
-    process: str,
-    timeout: float,
-    retries: int,
-    parent_run_id: str | None = None,
-    close_stale: bool = True,
-    echo: Callable[[str], None] = print,
-) -> Connection:
+def connect(opening: Opening, process: str, echo: Callable[[str], None] = print) -> Connection:
     """The run's MLflow connection, in this process or a child (``process``: ``auto``, ``child``, ``inline``).
     An inline connection raises :class:`TrackingError` here when the store cannot be opened; a child's failure
     is raised by its first :meth:`~Connection.ready`."""
     if process not in ("auto", "child", "inline"):
         raise ValueError(f"tracking.process={process!r}: use auto, child or inline")
     if process == "inline" or (process == "auto" and "mlflow" in sys.modules):
-        return InlineConnection(record, timeout, retries, parent_run_id, close_stale, echo)
-    return ChildConnection(record, timeout, retries, parent_run_id, close_stale, echo)
+        return InlineConnection(opening, echo)
+    return ChildConnection(opening, echo)
 
 
 class ChildConnection(Connection):
     """An :class:`InlineConnection` in a child process. The run is opened there at once; only :meth:`ready`
     (and every later call) waits for it."""
 
-    def __init__(
-        self,
-        record: RunRecord,
-        timeout: float,
-        retries: int,
-        parent_run_id: str | None = None,
-        close_stale: bool = True,
-        echo: Callable[[str], None] = print,
-    ) -> None:
+    def __init__(self, opening: Opening, echo: Callable[[str], None] = print) -> None:
         self.echo = echo
-        self.uri = record.uri or ""
+        self.uri = opening.record.uri or ""
         self.waited = 0.0
         """Seconds the run spent waiting for the child (its set-up not yet done when the run needed it)."""
         self._opened: dict[str, Any] | None = None
@@ -83,16 +66,7 @@ class ChildConnection(Connection):
             text=True,
             encoding="utf-8",
         )
-        record_data = asdict(record)
-        record_data["metrics"] = []  # opening needs the name, tags and parameters only
-        self._send(
-            "open",
-            record=record_data,
-            timeout=timeout,
-            retries=retries,
-            parent_run_id=parent_run_id,
-            close_stale=close_stale,
-        )
+        self._send("open", **opening.to_json())
 
     def ready(self) -> str | None:
         if self._opened is None:
@@ -191,7 +165,7 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
             result: Any = None
             op, arguments = request["op"], request["arguments"]
             if op == "open":
-                connection = _open(arguments, said.append)
+                connection = InlineConnection(Opening.from_json(arguments), said.append)
                 result = {"run_id": connection.ready(), "link": connection.link(), "uri": connection.uri}
             elif op == "baseline_alignment":
                 found = connection.baseline_alignment(arguments["fingerprint"], Path(arguments["directory"]))
@@ -211,13 +185,6 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
         reply["said"] = said
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
-
-
-def _open(arguments: dict[str, Any], echo: Callable[[str], None]) -> InlineConnection:
-    record = RunRecord(**arguments["record"])
-    return InlineConnection(
-        record, arguments["timeout"], arguments["retries"], arguments["parent_run_id"], arguments["close_stale"], echo
-    )
 
 
 def main() -> None:
