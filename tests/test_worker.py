@@ -127,3 +127,11 @@ def test_the_child_opens_the_run_it_is_given(tmp_path):
     assert connection.process.returncode == 0
     assert Opening(record).to_json()["record"]["metrics"] == [] and record.metrics[0].value == 3.0
     assert Opening.from_json(Opening(record).to_json()).record.tags == record.tags
+
+
+def test_the_child_imports_neither_torch_nor_mlflow_before_it_is_asked():
+    """The child starts in milliseconds and holds MLflow only (250 MB, not 430 with torch): publishing a run needs
+    its files, not tensors."""
+    code = "import sys, paritylab.sink.worker; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPOSITORY)
+    assert result.stdout.strip() == "[]", result.stderr

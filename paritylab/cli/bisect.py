@@ -79,7 +79,7 @@ def bisect(
         "seconds": round(time.time() - started, 1),
         "git_bisect_log": log,
     }
-    from paritylab.tracing.tracefile import write_json  # imports torch: not needed by each bisect step
+    from paritylab.tracing.files import write_json
 
     write_json(directory / "bisect.json", result, indent=1)
     return result

@@ -12,8 +12,11 @@ import re
 from collections.abc import Sequence
 from html import escape
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from paritylab.comparison.report import Report, Row
+if TYPE_CHECKING:  # annotations only: publishing a trend plot needs no torch
+    from paritylab.comparison.report import Report, Row
+
 
 LAYER = re.compile(r"^(?P<tower>.+)\.(?P<number>\d+)$")
 _FLOOR = 1e-12

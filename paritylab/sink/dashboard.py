@@ -15,7 +15,7 @@ from paritylab.comparison.report import Report
 from paritylab.reports.plots import LAYER, layer_rows
 from paritylab.reports.render import to_markdown
 from paritylab.sink.tracking import Metric, log10_for_charts, metric_key
-from paritylab.tracing.tracefile import write_json
+from paritylab.tracing.files import write_json
 
 
 def run_verdict(report: Report | None, status: str) -> str:

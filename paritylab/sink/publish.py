@@ -21,7 +21,7 @@ from paritylab.sink.history import FINGERPRINT, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
 from paritylab.sink.store import RUN_UID, Store
 from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, log10_for_charts, metric_key
-from paritylab.tracing.tracefile import UPLOADED_FILE, WITHHELD_FILE, check_directory, write_json
+from paritylab.tracing.files import UPLOADED_FILE, WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
 PUBLISHED = "paritylab.published"

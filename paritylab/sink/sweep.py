@@ -18,7 +18,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from paritylab.tracing.tracefile import write_json
+from paritylab.tracing.files import write_json
 
 STATE_FILE = "paritylab_sweep.json"
 ENVIRONMENT = "PARITYLAB_SWEEP_DIR"

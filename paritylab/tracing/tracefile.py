@@ -12,6 +12,15 @@ from typing import Any
 
 import torch
 
+from paritylab.tracing.files import (  # noqa: F401  (re-exported: readers import them from here)
+    MAX_ENTRIES,
+    UPLOADED_FILE,
+    WITHHELD_FILE,
+    TraceFormatError,
+    check_directory,
+    json_safe,
+    write_json,
+)
 from paritylab.tracing.storage import StorageError, TensorReader
 from paritylab.tracing.values import Node, iter_tensors
 
@@ -23,10 +32,6 @@ MAX_TRACE_JSON_ELEMENTS = 16_000_000
 """Values (counted as ``,``, ``[`` and ``{`` bytes) a trace JSON may hold. Python spends up to about 90 bytes
 per parsed value (a trace of 80,000 calls holds 4 million and takes 350 MB), so this caps a load at about
 1.5 GB whatever the file's shape: 168 MB of ``[{},{},...]`` would otherwise take 4.5 GB."""
-
-
-class TraceFormatError(ValueError):
-    """A trace directory or file cannot be read as a trace."""
 
 
 @dataclass
@@ -210,7 +215,7 @@ class Trace:
             raise TraceFormatError(f"{path} is not a directory: pass the directory a trace was written to")
         check_directory(path)
         found = _load_paritylab(path) if (path / TRACE_FILE).is_file() else None
-        for reader in OTHER_FORMATS:
+        for reader in _other_formats():
             if found is not None:
                 break
             found = reader(path)
@@ -225,8 +230,14 @@ class Trace:
 
 OTHER_FORMATS: list[Callable[[Path], Trace | None]] = []
 """Readers of other trace formats, tried in order when a directory holds no ``trace.json``; each returns
-``None`` for a directory that is not in its format. :mod:`.debugger_format` registers transformers' (the
-``paritylab.tracing`` package imports it, so this module needs no import of it: no cycle)."""
+``None`` for a directory that is not in its format. :mod:`.recovery` registers the reader of killed traces and
+:mod:`.debugger_format` transformers' format, each when imported (:func:`_other_formats` imports them)."""
+
+
+def _other_formats() -> list[Callable[[Path], Trace | None]]:
+    from paritylab.tracing import debugger_format, recovery  # noqa: F401  (importing each registers its reader)
+
+    return OTHER_FORMATS
 
 
 def _load_paritylab(path: Path) -> Trace:
@@ -263,15 +274,6 @@ def _load_paritylab(path: Path) -> Trace:
             # shards not uploaded, or uploaded and deleted here: statistics only, and comparisons say so
             trace.files = {ref: loc for ref, loc in trace.files.items() if loc[0] != file_name}
     return trace
-
-
-WITHHELD_FILE = "TENSORS_NOT_UPLOADED.txt"
-"""Written beside an uploaded trace whose safetensors shards were not uploaded: the trace then loads with
-statistics only (its values are in the run directory it was uploaded from)."""
-
-UPLOADED_FILE = "TENSORS_UPLOADED.txt"
-"""Written in a run directory's trace once its safetensors shards are safely in MLflow and deleted locally
-(``tracking.keep_local=false``): the trace then loads with statistics only, and the note says how to fetch them."""
 
 
 def _location(ref: object, location: object) -> tuple[str, str]:
@@ -346,17 +348,6 @@ def _validate_tensor(node: dict[str, Any]) -> None:
         raise TraceFormatError(f"tensor 'from' must be a call index, got {str(origin)[:40]!r}")
 
 
-def json_safe(value: Any) -> Any:
-    """Replace non-finite floats (which JSON cannot hold) by the strings ``nan``, ``inf``, ``-inf``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(item) for item in value]
-    return value
-
-
 def as_float(value: object) -> float:
     """A stats value read back from JSON (inverse of :func:`json_safe`)."""
     if isinstance(value, int | float):
@@ -367,46 +358,6 @@ def as_float(value: object) -> float:
         except ValueError:
             return math.nan
     return math.nan
-
-
-def write_json(path: Path, document: Any, indent: int | None = None) -> None:
-    """Write standard JSON atomically (a reader never sees half a file); compact unless ``indent``."""
-    separators = (",", ":") if indent is None else None
-    try:
-        text = json.dumps(document, separators=separators, indent=indent, allow_nan=False)
-    except ValueError:  # a non-finite float somewhere: spell it as a string
-        text = json.dumps(json_safe(document), separators=separators, indent=indent, allow_nan=False)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
-
-
-MAX_ENTRIES = 100_000
-"""Entries a trace or run directory may hold (a directory with millions of files is not one of ours)."""
-
-
-def check_directory(path: Path, kind: str = "trace") -> None:
-    """Refuse a directory holding anything but regular files and directories: a symlink can lead outside it
-    (``trace.json -> /etc/...``), a FIFO blocks a reader forever, a device file reads without end."""
-    pending, seen = [path], 0
-    while pending:
-        folder = pending.pop()
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                seen += 1
-                if seen > MAX_ENTRIES:
-                    raise TraceFormatError(f"{path} holds over {MAX_ENTRIES} entries: not a {kind} directory")
-                where = Path(entry.path).relative_to(path)
-                if entry.is_symlink():
-                    raise TraceFormatError(
-                        f"{path}: {where} is a symbolic link; a {kind} directory holds only real files: copy them in"
-                    )
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(Path(entry.path))
-                elif not entry.is_file(follow_symlinks=False):
-                    raise TraceFormatError(
-                        f"{path}: {where} is not a regular file (a FIFO, socket or device); remove it and retry"
-                    )
 
 
 def read_json(path: Path, limit: int = MAX_TRACE_JSON_BYTES) -> Any:
