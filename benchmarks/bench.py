@@ -3,6 +3,11 @@ hooks, transformers' debugger and (when installed) TorchLens, measured in one ru
 repetitions after a warm-up.
 
     python benchmarks/bench.py [--reps 11] [--device cpu|cuda] [--attention sdpa|eager] [--quick]
+                               [--skip-memory] [--no-libraries] [--whole-run-rounds 3]
+
+One run measures everything the performance targets name: capture side by side, peak memory per mode, the
+comparison and the compare CLI, the parity run's memory against its floor, and (``benchmarks/whole_run.py``) the
+whole ``python -m paritylab`` process against building both models and running one forward each.
 
 llava-bench (``benchmarks/llava_bench.py``) is built through the run's own configuration: the model and inputs
 ``python -m paritylab`` builds at that size, eager attention as configured (``--attention sdpa`` for PyTorch's
@@ -359,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="default: the run's configuration (eager)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--no-libraries", action="store_true", help="skip other capture libraries (TorchLens)")
+    parser.add_argument(
+        "--whole-run-rounds", type=int, default=3, help="rounds of benchmarks/whole_run.py in this run (0: skip)"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
@@ -391,6 +399,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["logging"] = logging_time(report)
     if not args.skip_memory:
         results["resident_peak_anon_mb"] = resident_peaks(args.device, args.quick, args.attention)
+    if args.whole_run_rounds > 0 and args.device == "cpu":
+        from benchmarks import whole_run
+
+        results["whole_run"] = whole_run.measure(args.whole_run_rounds, args.quick)
+        results["whole_run_rounds"] = args.whole_run_rounds
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     print(render(results))
@@ -447,6 +460,11 @@ def render(results: dict[str, Any]) -> str:
             f" resident=one {peak['one']:.0f} MB = {peak['one'] / peak['floor_one']:.2f}x the reference + its forward "
             f"({peak['floor_one']:.0f} MB)"
         )
+    if "whole_run" in results:
+        from benchmarks import whole_run
+
+        lines.append("whole run (python -m paritylab against building both models and one forward each):")
+        lines.append(whole_run.render(results["whole_run"], results["whole_run_rounds"]))
     return "\n".join(lines)
 
 

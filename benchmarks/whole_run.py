@@ -38,18 +38,16 @@ def _run(command: list[str], scratch: Path) -> float:
     return time.perf_counter() - started
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
-    options = parser.parse_args(argv)
-    base = llava_bench.overrides(options.quick)
+def measure(rounds: int = 3, quick: bool = False) -> dict[str, dict[str, float]]:
+    """Per candidate: median seconds of the floor and of ``python -m paritylab``, the median per-round ratio, the
+    start-up before the reference's build and the last run's phase timings."""
+    base = llava_bench.overrides(quick)
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-whole-run-"))
     results: dict[str, dict[str, float]] = {}
     try:
         times: dict[str, dict[str, list[float]]] = {c: {"floor": [], "paritylab": []} for c in ("port", "bf16")}
         phases: dict[str, dict[str, float]] = {}
-        for number in range(options.rounds + 1):  # round 0 warms the page cache
+        for number in range(rounds + 1):  # round 0 warms the page cache
             for candidate in ("port", "bf16"):
                 overrides = [*base, f"candidate={candidate}"]
                 floor = _run([sys.executable, "-c", floor_code(overrides)], scratch)
@@ -71,20 +69,34 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(
-        f"| candidate | build + one forward each | python -m paritylab | ratio (median of {options.rounds}) "
-        "| start-up before the build (last run) |"
-    )
-    print("|---|---|---|---|---|")
+    return results
+
+
+def render(results: dict[str, dict[str, float]], rounds: int) -> str:
+    lines = [
+        f"| candidate | build + one forward each | python -m paritylab | ratio (median of {rounds}) "
+        "| start-up before the build (last run) |",
+        "|---|---|---|---|---|",
+    ]
     for candidate, figures in results.items():
-        print(
+        lines.append(
             f"| {candidate} | {figures['floor_s']:.1f} s | {figures['paritylab_s']:.1f} s | {figures['ratio']:.2f}x "
             f"| {figures['before_build_s']:.1f} s |"
         )
-    print("targets: port <= 1.3x, bf16 <= 1.6x, start-up <= 3 s")
+    lines.append("targets: port <= 1.3x, bf16 <= 1.6x, start-up <= 3 s")
     for candidate, figures in results.items():
         shown = ", ".join(f"{k.removeprefix('phase: ')} {v:.1f}" for k, v in figures.items() if k.startswith("phase"))
-        print(f"{candidate}, seconds per phase (last run): {shown}")
+        lines.append(f"{candidate}, seconds per phase (last run): {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
+    options = parser.parse_args(argv)
+    results = measure(options.rounds, options.quick)
+    print(render(results, options.rounds))
     return results
 
 
