@@ -205,10 +205,11 @@ def test_a_plain_run_closes_runs_left_running_by_a_kill_9(tmp_path):
     from tests.helpers import migrated_store
 
     store = migrated_store(tmp_path / "mlflow.db")
-    victim = subprocess.Popen(
-        [sys.executable, "-m", "paritylab", "model=llama", "candidate=sdpa", f"tracking.uri={store}",
-         f"hydra.run.dir={tmp_path / 'victim'}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    victim = subprocess.Popen(  # its candidate sleeps 30 s in a forward: killed mid-run, whenever MLflow opened it
+        [sys.executable, "-m", "paritylab", "candidate.ports.llava.build._target_=tests.faulty.slow_port",
+         f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'victim'}"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )  # fmt: skip
     client = MlflowClient(store)
     deadline = time.monotonic() + 120

@@ -79,8 +79,8 @@ class InlineConnection(Connection):
         self.uri = self.tracker.uri
         self.tracker.start(record.run_name, record.tags, opening.parent_run_id)
         self.tracker.log_params(record.params)
-        if opening.close_stale:
-            stale = self.tracker.store().close_stale_runs()
+        if opening.close_stale:  # not this run: opened in a child, it outlives a run killed meanwhile by a moment
+            stale = self.tracker.store().close_stale_runs(exclude=self.tracker.run_id)
             if stale:
                 echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
 

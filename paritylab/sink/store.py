@@ -69,8 +69,8 @@ class Store(Protocol):
 
     def log_artifact_to(self, run_id: str, path: Path) -> None: ...
 
-    def close_stale_runs(self) -> list[str]:
-        """Mark KILLED the runs left RUNNING by processes that are gone; returns their ids."""
+    def close_stale_runs(self, exclude: str | None = None) -> list[str]:
+        """Mark KILLED the runs left RUNNING by processes that are gone, except ``exclude``; returns their ids."""
         ...
 
     def next_sweep_number(self) -> int: ...
@@ -164,9 +164,13 @@ class MlflowStore:
     def log_artifact_to(self, run_id: str, path: Path) -> None:
         self._call("upload an artifact", self.client.log_artifact, run_id, str(path))
 
-    def close_stale_runs(self) -> list[str]:
+    def close_stale_runs(self, exclude: str | None = None) -> list[str]:
         running = self._search("find running runs", "attributes.status = 'RUNNING'", 500)
-        stale = [run.run_id for run in running if run.tags.get(TREND) != "true" and owner_gone(run.tags, run.start_ms)]
+        stale = [
+            run.run_id
+            for run in running
+            if run.run_id != exclude and run.tags.get(TREND) != "true" and owner_gone(run.tags, run.start_ms)
+        ]
         for run_id in stale:
             self._call("close a stale run", self.client.set_terminated, run_id, "KILLED")
         return stale
