@@ -107,6 +107,9 @@ def test_a_child_that_dies_is_a_tracking_error_not_a_hang(tmp_path):
     connection.process.kill()
     with pytest.raises(TrackingError, match="worker process ended while asked to open the run"):
         connection.ready()
+    with pytest.raises(TrackingError, match="worker process ended"):  # again, at once: nothing left to read
+        connection.ready()
+    connection.end("FAILED")  # nothing to end: the run was never opened
     connection.close()
 
 

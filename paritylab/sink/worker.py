@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict
@@ -51,9 +50,9 @@ class ChildConnection(Connection):
     def __init__(self, opening: Opening, echo: Callable[[str], None] = print) -> None:
         self.echo = echo
         self.uri = opening.record.uri or ""
-        self.waited = 0.0
-        """Seconds the run spent waiting for the child (its set-up not yet done when the run needed it)."""
         self._opened: dict[str, Any] | None = None
+        self._failed: TrackingError | None = None
+        """Why the run could not be opened: every later call raises it again (the child has no reply left)."""
         self._unread = 0
         package_root = str(Path(__file__).resolve().parents[2])  # this paritylab, however the run found it
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -69,10 +68,14 @@ class ChildConnection(Connection):
         self._send("open", **opening.to_json())
 
     def ready(self) -> str | None:
+        if self._failed is not None:
+            raise self._failed
         if self._opened is None:
-            started = time.perf_counter()
-            self._opened = self._reply("open the run")
-            self.waited += time.perf_counter() - started
+            try:
+                self._opened = self._reply("open the run")
+            except TrackingError as error:
+                self._failed = error
+                raise
             self.uri = self._opened["uri"]
         return self._opened["run_id"]
 
@@ -91,7 +94,7 @@ class ChildConnection(Connection):
         return None if found is None else Regression(**found)
 
     def end(self, status: str) -> None:
-        if self._opened is not None or self._unread:
+        if self._failed is None and (self._opened is not None or self._unread):
             self.ready()
             self._call("end the run", "end", status=status)
 
