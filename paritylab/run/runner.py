@@ -134,8 +134,8 @@ class _Session:
 
     def execute(self) -> RunResult:
         status, code, error = "FINISHED", EXIT_PASS, None
-        # MLflow's set-up runs first, not beside the phases: a thread was measured slower (both import Python
-        # code under one GIL: the reference's build took 8.6 s instead of 2.8 s).
+        # Opening the MLflow run starts first; in a child process (tracking.process) it then runs beside the
+        # phases, and the run waits for it only when it first needs the run's id (see _run_id).
         try:
             self._start_tracking()
         except Exception as failure:  # a bug in tracking set-up must not take the parity run down
