@@ -3,6 +3,7 @@ reference's greedy tokens. Bugs that only bite with a cache are named at the ste
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -18,6 +19,33 @@ from paritylab.run.runner import EXIT_FAIL
 from paritylab.run.workload import infer_call
 from tests.faulty import decode_bug_port
 from tests.test_runner import run_with
+
+
+def cache_keyword(model):
+    """What the installed transformers calls the cache, read independently of paritylab: its forward's argument."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def test_decoding_works_with_either_cache_spelling(setting, tmp_path):
+    """A forward that takes ``past_key_values=`` (transformers before 5.24) and returns the cache in a field of that
+    name decodes like one that takes ``cache=``: both wrappers around the same reference agree at every step."""
+    _, reference, _ = setting
+
+    class OldSpelling(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, pixel_values=None, past_key_values=None, use_cache=None):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
+                             **{cache_keyword(self.inner): past_key_values}, use_cache=use_cache)  # fmt: skip
+            return {"logits": out.logits, "past_key_values": getattr(out, cache_keyword(self.inner))}
+
+    generation = _generate(setting, OldSpelling(reference), tmp_path, steps=2)
+    assert generation.candidate_style == "past_key_values"
+    assert generation.verdict == "pass", [(s.step, s.first_divergence) for s in generation.steps]
+    assert [s.token_agreement for s in generation.steps] == [1.0, 1.0, 1.0]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +77,9 @@ def test_clean_candidates_agree_at_every_step(name, setting, tmp_path):
         assert 0.0 <= step.kl < (1e-5 if name == "bf16" else 1e-9)
         assert step.reference_tokens == step.candidate_tokens
     assert generation.summary()["first_failing_step"] is None
-    assert generation.candidate_style == ("cache" if name == "port" else "past_key_values")
+    # The keyword each forward takes: ``cache`` for the port and for transformers from 5.24, ``past_key_values`` before.
+    assert generation.reference_style == cache_keyword(reference)
+    assert generation.candidate_style == ("cache" if name == "port" else cache_keyword(reference))
     assert (tmp_path / "steps" / str(steps) / "candidate" / "trace.json").exists()  # every step traced on both sides
 
 
@@ -81,7 +111,11 @@ def test_a_decode_bug_is_named_at_its_step_and_module(bug, step, module, inside,
 def test_a_model_that_cannot_decode_is_refused_in_one_line(setting, tmp_path):
     _, reference, inputs = setting
     vision = torch.nn.Linear(4, 4)
-    with pytest.raises(ConfigError, match=r"takes neither past_key_values .* nor cache="):
+    with pytest.raises(
+        ConfigError,
+        match=r"Linear.forward\(input\) takes no KV cache argument \(looked for cache= or "
+        r"past_key_values=\)",
+    ):
         generate_parity(reference, vision, inputs, infer_call(reference, inputs, "model"),
                         infer_call(reference, inputs, "model"), tmp_path, 2)  # fmt: skip
 

@@ -141,3 +141,19 @@ def test_an_upload_gets_the_regression_and_the_trend_point_a_live_run_gets_and_o
     points = client.get_metric_history(trend, "summary/failing_modules")
     assert len(points) == 2  # the live run's night and the uploaded one's, not three
     assert sorted(p.timestamp for p in points)[1] == int(tags["paritylab.start_ms"])  # stamped with its own start
+
+
+def test_opening_a_fresh_store_says_nothing(tmp_path):
+    """A user's first run creates the SQLite store: MLflow's and alembic's INFO lines about its tables (two under
+    MLflow 3.17, ten under 3.9) are not the user's business; the store is still created and usable."""
+    database = tmp_path / "fresh.db"
+    script = (
+        "import sys\nfrom paritylab.sink.tracking import MlflowTracker\n"
+        "tracker = MlflowTracker(sys.argv[1], 'first')\nprint(tracker.ensure_experiment())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{database}"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert MlflowClient(f"sqlite:///{database}").get_experiment_by_name("first").experiment_id == result.stdout.strip()

@@ -36,6 +36,12 @@ def test_wheel_ships_configs_and_the_port_inside_paritylab(wheel):
     assert tops == {"paritylab"}  # no top-level experiments or conf
     assert "paritylab/conf/config.yaml" in names and "paritylab/conf/candidate/port.yaml" in names
     assert "paritylab/experiments/llava_port/weights.yaml" in names
+    assert {"paritylab/assets/sample.png", "paritylab/reports/templates/report.html.j2", "paritylab/py.typed"} <= set(
+        names
+    )
+    for group in ("candidate", "compare", "experiment", "inputs", "model", "tracking"):
+        shipped = {Path(n).name for n in names if n.startswith(f"paritylab/conf/{group}/")}
+        assert shipped == {p.name for p in (REPOSITORY / "conf" / group).glob("*.yaml")}, group
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in ("paritylab =", "paritylab-compare =", "paritylab-promote =", "paritylab-upload ="):
@@ -70,3 +76,23 @@ def test_installed_wheel_runs_the_main_command_from_an_empty_directory(wheel, tm
     )
     assert "model: clip_vision, llama, llava" in helped.stdout and "__main__ is powered by Hydra" not in helped.stdout
     assert "port:" not in helped.stdout.split("== Examples ==")[0]
+
+
+@pytest.mark.slow
+def test_a_failing_test_shows_what_explains_it_not_torch_compile_debug_records(tmp_path):
+    """Under the project's pytest settings a failure prints warnings and errors, not the ~1,500 DEBUG records
+    torch.compile logs to ``torch.__trace`` (which pytest would otherwise capture and dump)."""
+    (tmp_path / "test_failing.py").write_text(
+        "import logging\nimport torch\n\n\ndef test_fails():\n"
+        "    torch.compile(lambda x: x + 1, backend='aot_eager')(torch.ones(2))\n"
+        "    logging.getLogger('paritylab').warning('the line that explains it')\n"
+        "    assert False\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(REPOSITORY / "pyproject.toml"), "--rootdir", str(tmp_path),
+         "-n0", "-p", "no:cacheprovider", str(tmp_path / "test_failing.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "WARNING  paritylab" in result.stdout and "the line that explains it" in result.stdout
+    assert "DEBUG" not in result.stdout

@@ -1,13 +1,13 @@
 """Decode-step parity: greedy decoding with a KV cache on both sides, teacher-forced on the reference's tokens.
 
 Step 0 is the prompt (prefill); every later step feeds one token, the reference's greedy choice of the step
-before, to both sides, each with its own cache: transformers' ``past_key_values`` for transformers models, or
-``cache=`` with the model's ``new_cache()`` (our LLaVA port). Both sides therefore see the same tokens at every
-step, so every step stays comparable even after their greedy choices part, and a bug that only bites with a
-cache (a position offset from step 2, a stale cache update, a wrong decode mask) shows at the step where it
-starts. Each step is traced on both sides (``steps/<n>/reference`` and ``.../candidate``) and compared module by
-module; the last position's logits give the step's token agreement, KL divergence, top-k overlap and largest
-absolute difference.
+before, to both sides, each with its own cache: the one a transformers model makes and returns (``cache=`` from
+transformers 5.24, ``past_key_values=`` before), or the one the model's ``new_cache()`` makes (our LLaVA port).
+Both sides therefore see the same tokens at every step, so every step stays comparable even after their greedy
+choices part, and a bug that only bites with a cache (a position offset from step 2, a stale cache update, a
+wrong decode mask) shows at the step where it starts. Each step is traced on both sides (``steps/<n>/reference``
+and ``.../candidate``) and compared module by module; the last position's logits give the step's token
+agreement, KL divergence, top-k overlap and largest absolute difference.
 """
 
 from __future__ import annotations
@@ -107,8 +107,18 @@ class Generation:
         return {"summary": self.summary(), "steps": [asdict(step) for step in self.steps], "drilldown": self.drilldown}
 
 
+CACHE_KEYWORDS = ("cache", "past_key_values")
+"""The forward argument that carries a KV cache, in the order looked for: transformers calls it ``cache`` from
+5.24 (``past_key_values`` before), and a model of one's own may take either."""
+
+
 class _Side:
-    """One side's model, call and cache."""
+    """One side's model, call and cache.
+
+    The cache keyword is read from the forward's signature. A model with a ``new_cache()`` method gets its cache
+    from it and grows it in place; any other model (transformers') makes its cache on the first call and returns
+    it, as the output's field of the same name (or the other spelling), and it is fed back at the next step.
+    """
 
     def __init__(self, model: nn.Module, spec: CallSpec, name: str) -> None:
         self.model, self.spec, self.name = model, spec, name
@@ -117,16 +127,17 @@ class _Side:
             parameters = inspect.signature(inner.forward).parameters
         except (TypeError, ValueError):
             parameters = {}  # type: ignore[assignment]
-        if "past_key_values" in parameters:
-            self.style = "past_key_values"
-        elif "cache" in parameters and callable(getattr(inner, "new_cache", None)):
-            self.style = "cache"
-        else:
+        keyword = next((word for word in CACHE_KEYWORDS if word in parameters), None)
+        if keyword is None:
+            found = ", ".join(parameters) or "no readable signature"
             raise ConfigError(
-                f"generate: the {name}'s {type(inner).__name__}.forward takes neither past_key_values (transformers) "
-                "nor cache= with a new_cache() method on the model; give it one of them, or set generate.steps=0"
+                f"generate: the {name}'s {type(inner).__name__}.forward({found}) takes no KV cache argument (looked "
+                f"for {' or '.join(f'{word}=' for word in CACHE_KEYWORDS)}); give it one, or set generate.steps=0"
             )
-        self.state: Any = getattr(inner, "new_cache")() if self.style == "cache" else None  # noqa: B009
+        self.style: str = keyword
+        self.use_cache = "use_cache" in parameters
+        factory = getattr(inner, "new_cache", None)
+        self.state: Any = factory() if callable(factory) else None
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
         present = CallSpec(
@@ -134,21 +145,28 @@ class _Side:
             {parameter: name for parameter, name in self.spec.kwargs.items() if name in inputs},
             self.spec.cast,
         )
-        extra: dict[str, Any] = (
-            {"past_key_values": self.state, "use_cache": True}
-            if self.style == "past_key_values"
-            else {"cache": self.state}
-        )
+        extra: dict[str, Any] = {self.style: self.state}
+        if self.use_cache:
+            extra["use_cache"] = True
         return present.bind(inputs, extra)
 
     def absorb(self, output: Any) -> None:
-        if self.style == "past_key_values":
-            state = getattr(output, "past_key_values", None)
-            if state is None:
-                raise ConfigError(
-                    f"generate: the {self.name} returned no past_key_values; it cannot decode with a cache"
-                )
-            self.state = state
+        returned = next(
+            (state for word in (self.style, *CACHE_KEYWORDS) if (state := _field(output, word)) is not None), None
+        )
+        if returned is not None:
+            self.state = returned
+        elif self.state is None:
+            raise ConfigError(
+                f"generate: the {self.name} returned no cache (no {' or '.join(CACHE_KEYWORDS)} field in its output) "
+                "and has no new_cache() method; it cannot decode with a cache: set generate.steps=0"
+            )
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
 
 
 def generate_parity(
@@ -265,14 +283,14 @@ def _frozen(report: Report) -> list[Rule]:
 
 def _last_logits(output: Any) -> torch.Tensor:
     """The last position's logits, ``[batch, vocab]`` in float64."""
-    logits = getattr(output, "logits", None)
+    logits = _field(output, "logits")
     if logits is None and isinstance(output, tuple | list):
         logits = next((item for item in output if isinstance(item, torch.Tensor)), None)
     if logits is None and isinstance(output, torch.Tensor):
         logits = output
     if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
         raise ConfigError(
-            "generate: a side's output has no logits (a .logits field, or a [batch, tokens, vocab] tensor)"
+            "generate: a side's output has no logits (a logits field or key, or a [batch, tokens, vocab] tensor)"
         )
     return (logits[:, -1] if logits.dim() == 3 else logits).detach().to(torch.float64)
 

@@ -3,12 +3,14 @@ bounded HTTP timeouts, and metric keys that MLflow accepts whatever the module n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -268,8 +270,23 @@ def prepare_store(uri: str) -> None:
     from filelock import FileLock
     from mlflow.tracking import MlflowClient
 
-    with FileLock(database.with_name(database.name + ".lock")):
+    with FileLock(database.with_name(database.name + ".lock")), _quiet_schema_setup():
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+@contextlib.contextmanager
+def _quiet_schema_setup() -> Iterator[None]:
+    """MLflow and alembic say at INFO that they create and migrate a fresh store's tables (2 to 10 lines on a
+    user's first run, more under older MLflow): that is paritylab's business, not the user's. Warnings stay."""
+    loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 EXPERIMENT_DESCRIPTION = """**paritylab**: does a candidate (a port, a dtype, an attention kernel, torch.compile)
