@@ -9,7 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from paritylab.sink.processes import process_age
+
 __version__ = "0.1.0"
+IMPORTED_AT_AGE = process_age()
+"""How old the process was when paritylab was first imported: the interpreter's own start-up and whatever ran
+before (the ``interpreter`` timing of a run from the command line; the rest of its start-up is ``imports``)."""
+FROM_COMMAND_LINE = False
+"""Set by the ``paritylab`` command: only then is the process's start the run's start."""
 _PUBLIC = {
     "check": "paritylab.run.parity",
     "CaptureSpec": "paritylab.tracing.capture",

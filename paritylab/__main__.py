@@ -23,8 +23,10 @@ def main(cfg: DictConfig) -> None:
 def entry() -> None:
     """The ``paritylab`` console script (same as ``python -m paritylab``). ``--profile[=FILE]`` (before the
     overrides) writes a cProfile of the whole process to FILE (default ``paritylab.prof``)."""
+    import paritylab
     from paritylab.sink.sweep import finish_sweep
 
+    paritylab.FROM_COMMAND_LINE = True
     profile = take_profile_flag(sys.argv)
     if profile is not None:
         import cProfile

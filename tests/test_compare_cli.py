@@ -104,3 +104,24 @@ def test_debugger_traces_with_reprs_are_inconclusive_never_a_pass(tmp_path, caps
     assert "INCONCLUSIVE" in result.stdout and "could not be compared by value" in result.stdout
     summary = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert summary["verdict"] == "inconclusive" and summary["not_compared"] > 0
+
+
+@pytest.mark.parametrize(
+    ("module", "needed"),
+    [
+        ("compare", ["exit codes:", "3  inconclusive", "model_addition_debugger_context", "example:"]),
+        ("promote", ["exit codes: 0 promoted, 2 refused", "run_id  ", "--force", "example:"]),
+        ("upload", ["Exit codes: 0 published", "--experiment EXPERIMENT", "the MLflow experiment", "example:"]),
+        ("bisect", ["-- [OVERRIDES ...]", "required:\n  --repo", "--good REV", "exit codes: 0", "example:"]),
+    ],
+)
+def test_every_console_script_help_is_enough_to_use_it(module, needed, capsys):
+    """``--help`` alone tells how to call each script, what it reads and what its exit codes mean."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"paritylab.cli.{module}").main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for phrase in needed:
+        assert phrase in text, (module, phrase)

@@ -89,6 +89,31 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     assert len(links) == 2 and all(link.startswith(mlflow_server) and "/runs/" in link for link in links)  # real URLs
 
 
+@pytest.mark.slow
+def test_a_sweep_on_submitit_local_nests_its_jobs_on_a_real_server(tmp_path, mlflow_server):
+    """The cluster route (Hydra's submitit launcher, here its local executor): each job in its own process, logged
+    to one server under the sweep's parent; names say what the job is, not where it is logged; no ``%j`` folder."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the test extra installs it")
+    result = sweep(tmp_path, mlflow_server, "cluster", "hydra/launcher=submitit_local", "model=llama",
+                   "candidate=bf16,sdpa", "tracking=server")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(mlflow_server)
+    runs = runs_of(client, "cluster")
+    (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_name for r in children) == [f"llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")]
+    assert {r.data.tags["paritylab.verdict"] for r in children} == {"pass"} and parent.info.status == "FINISHED"
+    assert len({r.data.tags["paritylab.pid"] for r in children}) == 2  # each job in a process of its own
+    jobs = sorted(path.name for path in (tmp_path / "sweep").iterdir() if (path / ".hydra").is_dir())
+    assert jobs == [
+        "0-candidate=bf16,compare.replay=False,model=llama",
+        "1-candidate=sdpa,compare.replay=False,model=llama",
+    ]
+    submitit = tmp_path / "sweep" / ".submitit"
+    assert sorted(path.name.isdigit() for path in submitit.iterdir()) == [True, True]  # one folder per job id
+    assert "Downloading artifacts" not in result.stderr + result.stdout
+
+
 PORT = """
 from tests.faulty import scaled_port
 

@@ -156,12 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, overrides = argv[:at], argv[at + 1 :]
-    parser = argparse.ArgumentParser(prog="paritylab-bisect", description=__doc__.splitlines()[0])
-    parser.add_argument("--repo", type=Path, help="the git checkout holding the candidate's code")
-    parser.add_argument("--good", help="a commit where parity holds")
-    parser.add_argument("--bad", help="a commit where it does not")
+    parser = argparse.ArgumentParser(
+        prog="paritylab-bisect",
+        usage="paritylab-bisect --repo PATH --good REV --bad REV [options] -- [OVERRIDES ...]",
+        description="\n\n".join(__doc__.replace("``", "").split("\n\n")[::2]),
+        epilog="OVERRIDES, after --, are the parity run's own (python -m paritylab OVERRIDES), e.g. model=llava "
+        "candidate=port candidate.ports.llava.build._target_=my_llava.build\n\nexit codes: 0 the first bad commit "
+        "was found (printed and logged), 2 the repository or revisions cannot be bisected, or no commit was bad\n\n"
+        "example:\n  paritylab-bisect --repo ~/src/my-llava --good v1.2 --bad main -- model=llava candidate=port",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    required = parser.add_argument_group("required")
+    required.add_argument("--repo", type=Path, help="the git checkout holding the candidate's code")
+    required.add_argument("--good", metavar="REV", help="a commit where parity holds")
+    required.add_argument("--bad", metavar="REV", help="a later commit where it does not")
     parser.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
-    parser.add_argument("--experiment", default="paritylab")
+    parser.add_argument("--experiment", default="paritylab", help="the MLflow experiment (default: paritylab)")
     parser.add_argument("--output", type=Path, help="where steps and bisect.json go (default: a new directory)")
     parser.add_argument("--step", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -20,12 +20,33 @@ from paritylab.tracing.storage import StorageError
 from paritylab.tracing.tracefile import Trace, TraceFormatError
 
 
+EPILOG = """\
+trace directories it reads:
+  - paritylab's own (trace.json and safetensors shards: a run's traces/reference and traces/candidate);
+  - a trace whose run was killed (a .partial journal): recovered into the trace's own files first;
+  - transformers' model_addition_debugger_context output ({Model}_debug_tree_SUMMARY.json and
+    {Model}_debug_tree_FULL_TENSORS.json, with one .safetensors file per module).
+
+exit codes:
+  0  parity holds
+  1  parity does not hold (the first divergence is printed)
+  2  bad input: a directory that is not a trace, bad alignment rules (one line on stderr says which)
+  3  inconclusive: nothing failed, but some aligned output could not be compared by value (never a pass)
+
+example:
+  paritylab-compare outputs/2026-11-25/10-00-00-llava-port/traces/{reference,candidate} --json report.json
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paritylab-compare",
-        description="Compare a candidate trace against a reference trace, module by module.",
+        description="Compare a candidate trace against a reference trace, module by module, and name the module "
+        "where divergence starts.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("reference", type=Path, help="reference trace directory")
+    parser.add_argument("reference", type=Path, help="reference trace directory (see the formats below)")
     parser.add_argument("candidate", type=Path, help="candidate trace directory")
     parser.add_argument("--align", type=Path, help="alignment rules YAML (reference pattern -> candidate pattern)")
     parser.add_argument("--atol", type=float, help="absolute tolerance (default: assert_close's per dtype)")

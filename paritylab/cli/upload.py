@@ -19,10 +19,16 @@ from paritylab.sink.tracking import TrackingError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paritylab-upload", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="paritylab-upload",
+        description=__doc__.split("\n\n", 1)[0],
+        epilog=__doc__.split("\n\n", 2)[2] + "\nexample: paritylab-upload outputs/2026-11-25/10-00-00-llava-port "
+        "--tracking-uri http://127.0.0.1:5000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("directory", type=Path, help="a run directory (it holds tracking.json)")
     parser.add_argument("--tracking-uri", help="default: the run's own, else MLFLOW_TRACKING_URI, else sqlite")
-    parser.add_argument("--experiment")
+    parser.add_argument("--experiment", help="the MLflow experiment (default: the one the run was meant for)")
     args = parser.parse_args(argv)
     again = f"run paritylab-upload {args.directory} again to finish it"
     try:

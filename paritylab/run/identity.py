@@ -22,8 +22,9 @@ from paritylab.sink.store import RUN_UID
 def run_name(cfg: DictConfig, overrides: list[str]) -> str:
     """``model/candidate`` plus what varies: the input seed and every other command-line override (Hydra's
     ``override_dirname``), each as its last key and value (``scale=1.05``; the full overrides are the tag
-    ``paritylab.overrides``), so runs of a sweep tell themselves apart in the runs list."""
-    skip = ("model=", "candidate=", "inputs.seed=", "tracking.", "hydra.", "output_dir=")
+    ``paritylab.overrides``), so runs of a sweep tell themselves apart in the runs list. Where a run is logged
+    (``tracking=...``, ``tracking.*``) and where it writes are not what it is."""
+    skip = ("model=", "candidate=", "inputs.seed=", "tracking=", "tracking.", "hydra.", "output_dir=")
     extra = []
     for item in overrides:
         key, _, value = item.lstrip("+~").partition("=")

@@ -51,6 +51,7 @@ from paritylab.sink.connection import Connection, Opening
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
+from paritylab.sink.processes import process_age
 from paritylab.sink.publish import RunRecord, upload_tensors
 from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import Metric, TrackingError, flatten
@@ -120,10 +121,12 @@ class _Session:
         self.regression: Regression | None = None
         self.sweep = sweep_state()
         self.timings: dict[str, float] = {}
-        """Seconds per phase, in order (``startup``: from the process start to the run's start)."""
-        age = process_age()
-        if age is not None and not self.sweep:
-            self.timings["startup"] = age
+        """Seconds per phase, in order. A run from the command line starts with ``interpreter`` (process start to
+        paritylab's import: Python and whatever the environment loads first) and ``imports`` (from there to the
+        run's start: torch, Hydra, the configuration); a run in a longer-lived process (a sweep, a notebook) has
+        neither."""
+        if not self.sweep:
+            self.timings.update(start_up_phases())
         self._clock = time.perf_counter()
 
     def _mark(self, phase: str) -> None:
@@ -625,14 +628,14 @@ def _hydra_overrides() -> list[str]:
     return [str(item) for item in HydraConfig.get().overrides.task]
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux ``/proc``; ``None`` elsewhere)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 0.0)
-    except (OSError, ValueError, IndexError):
-        return None
+def start_up_phases() -> dict[str, float]:
+    """``interpreter`` and ``imports`` seconds (see :attr:`_Session.timings`); empty where ``/proc`` is not."""
+    import paritylab
+
+    at_import, now = paritylab.IMPORTED_AT_AGE, process_age()
+    if not paritylab.FROM_COMMAND_LINE or at_import is None or now is None:
+        return {}
+    return {"interpreter": at_import, "imports": max(now - at_import, 0.0)}
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:

@@ -107,7 +107,16 @@ def finish_sweep(directory: Path | None = None) -> int:
         _close_parent(state, directory, jobs, summary, code)
     state.update(finished=True, exit_code=code)
     _write(directory, state)
+    _remove_placeholder_folders(directory)
     return code
+
+
+def _remove_placeholder_folders(directory: Path) -> None:
+    """A launcher may leave an empty folder named by an unexpanded pattern: submitit creates
+    ``.submitit/%j`` before it knows any job id, and puts every job's files in ``.submitit/<job id>``."""
+    for folder in directory.glob(".*/*%*"):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _jobs(directory: Path) -> list[dict[str, Any]]:

@@ -122,6 +122,7 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout))))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(0, retries)))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bars inside sweep jobs
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(uri)
