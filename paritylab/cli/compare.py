@@ -19,7 +19,6 @@ from paritylab.reports.render import to_console, to_json, to_markdown
 from paritylab.tracing.storage import StorageError
 from paritylab.tracing.tracefile import Trace, TraceFormatError
 
-
 EPILOG = """\
 trace directories it reads:
   - paritylab's own (trace.json and safetensors shards: a run's traces/reference and traces/candidate);

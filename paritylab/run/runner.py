@@ -8,7 +8,6 @@ KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an err
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import time
 from collections.abc import Callable
