@@ -1,4 +1,4 @@
-"""Take the README's screenshots: paritylab runs in a real MLflow server's UI, via headless Chromium.
+"""Take the screenshots in docs/mlflow.md: paritylab runs in a real MLflow server's UI, via headless Chromium.
 
     apt-get install -y chromium    # Debian's package (Playwright's own browser download does not work here)
     pip install playwright         # the Python client only; it drives the Debian chromium above

@@ -334,7 +334,7 @@ def test_code_level_bugs_are_named_exactly(name, bug, expected, tmp_path):
 )
 def test_code_level_bugs_under_bf16_rounding_are_named(name, bug, expected, tmp_path):
     """In bf16 the tanh GELU and a wrong attention scale stay under the rounding of every value; with the
-    candidate's bf16 weights in float32 they do not (the full list: README, bf16 code-level bugs)."""
+    candidate's bf16 weights in float32 they do not (the full list: docs/alignment.md, bf16 code-level bugs)."""
     if unavailable(name):
         pytest.skip(unavailable(name))
     case = PAIRS[name](torch.bfloat16)

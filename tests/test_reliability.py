@@ -1,4 +1,4 @@
-"""Faults never lose data or crash badly: the fault matrix of the README, one test per line."""
+"""Faults never lose data or crash badly: the fault matrix of docs/faults.md, one test per row."""
 
 from __future__ import annotations
 
