@@ -33,6 +33,7 @@ from paritylab.comparison.alignment import (
     shapes_fit,
 )
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
+from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck, check_outputs
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
@@ -90,6 +91,8 @@ class Row:
     input_index: int | None = None
     """The reference call whose input stands for this row's (a ``run`` pair: the run's first module), when
     not the row's own call."""
+    outputs: list[OutputCheck] = field(default_factory=list)
+    """Its call's other outputs, beside the compared slot (:mod:`paritylab.comparison.outputs`)."""
 
     @property
     def input_call(self) -> int:
@@ -129,6 +132,8 @@ class Row:
             data["replay"] = self.local
         if self.note:
             data["note"] = self.note
+        if self.outputs:
+            data["outputs"] = [check.to_json() for check in self.outputs]
         return data
 
 
@@ -176,11 +181,14 @@ class Report:
 
     @property
     def not_compared(self) -> list[Row]:
-        """Aligned rows judged without values: on statistics only, or with no values saved on a side."""
+        """Aligned rows judged without values (on statistics only, or with no values saved on a side), and rows
+        with an output that could not be compared (:mod:`paritylab.comparison.outputs`)."""
         return [
             row
             for row in self.rows
-            if row.status == "stats-only" or (row.status == "missing" and row.note.startswith(NO_VALUES))
+            if row.status == "stats-only"
+            or (row.status == "missing" and row.note.startswith(NO_VALUES))
+            or any(check.verdict == NOT_COMPARED for check in row.outputs)
         ]
 
     @property
@@ -281,6 +289,7 @@ def compare_traces(
     rows: list[Row] = []
     folded = set(alignment.folded_reference)
     lost = set(alignment.lost) if pinned else set()
+    whole: list[tuple[Row, CallRecord, CallRecord]] = []  # rows whose calls are paired whole: other outputs count
     partner = {
         reference.call(pair.reference).index: candidate.call(pair.candidate).index
         for pair in alignment.pairs
@@ -304,6 +313,9 @@ def compare_traces(
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         rows.append(row)
+        if pair.reference_index is None and pair.candidate_index is None and row.status in ("compared", "stats-only"):
+            whole.append((row, call, other))
+    _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner)
     _infer_inputs(rows, reference)
     origins = _localise(rows, reference)
     first, reason = None, ""
@@ -324,6 +336,47 @@ def compare_traces(
         candidate_meta=candidate.meta,
         first_nonfinite={"reference": _first_nonfinite(reference), "candidate": _first_nonfinite(candidate)},
     )
+
+
+def _check_other_outputs(
+    whole: list[tuple[Row, CallRecord, CallRecord]],
+    rows: list[Row],
+    reference: Trace,
+    candidate: Trace,
+    tolerances: Tolerances,
+    memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
+    partner: Mapping[int, int],
+) -> None:
+    """Judge every other output of each whole pair (:func:`~paritylab.comparison.outputs.check_outputs`); a
+    failing one fails its row, one not compared makes the run inconclusive."""
+    by_index = {row.index: row for row in rows}
+
+    def covered_by(node: Node) -> str | None:
+        origin = node.get("from")
+        row = by_index.get(origin) if isinstance(origin, int) else None
+        if row is None or row.status not in ("compared", "stats-only") or row.reference.slot is None:
+            return None
+        judged = _node_at(reference.calls[row.index], row.reference.slot)
+        same = judged is not None and (judged.get("ref") == node.get("ref") or "ref" not in node)
+        return row.path if same else None
+
+    for row, call, other in whole:
+        if row.candidate is None:
+            continue
+
+        def judge(ref_node: Node, cand_node: Node, path: str = call.path) -> tuple[str, str, dict[str, float], str]:
+            tolerance = tolerances.resolve(path, ref_node["dtype"], cand_node["dtype"])
+            return _judge_once(memo, reference, candidate, ref_node, cand_node, None, None, tolerance)
+
+        root = call.parent is None
+        row.outputs = check_outputs(
+            call, other, (row.reference.slot, row.candidate.slot), judge, partner, covered_by, root=root
+        )
+        telling = [check for check in row.outputs if check.verdict in ("fail", NOT_COMPARED)]
+        if any(check.verdict == "fail" for check in telling):
+            row.verdict, row.diverged = "fail", True
+        if telling:
+            row.note = "; ".join(filter(None, [row.note, *(check.describe() for check in telling)]))
 
 
 def _unmatched_row(call: CallRecord, note: str, status: str = "unmatched") -> Row:

@@ -1,0 +1,168 @@
+"""Every output counts: the values a call returns beside the one slot its row compares.
+
+A row compares one output slot per side (the first tensor, or the one data flow names). A model that returns
+``(logits, mask)`` or a ``ModelOutput`` with several fields returns more, and a bug in a second field must not
+pass unseen. Here every other leaf of a compared call's output (tensors, and ints, bools and floats) is paired
+with the candidate's and judged:
+
+- **data flow**: the candidate's leaf was made by the partner of the call that made the reference's;
+- **same key**: the same dict key or dataclass field path on both sides (any compared call);
+- **same position**: the same tuple position with shapes that fit (the model's own outputs only: inside a
+  model, two implementations may return different auxiliaries at one position).
+
+For the model's own outputs (a root call) nothing may stay unexamined: a reference leaf with no counterpart is
+**covered** when it is the very tensor an inner call made and that call's row compared it; **absent** when the
+candidate returns nothing more (a port that returns only logits does not claim the reference's other fields);
+and otherwise **not compared** (the candidate returns leaves that pair with nothing: which is which cannot be
+told), which makes the run inconclusive, never a PASS. Leaves only the candidate returns are listed as
+**extra**. Objects (a KV cache object, a config) are not values to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritylab.tracing.tracefile import CallRecord
+from paritylab.tracing.values import Node
+
+NOT_COMPARED = "not-compared"
+Judge = Callable[[Node, Node], tuple[str, str, dict[str, float], str]]
+"""(reference node, candidate node) -> (status, verdict, metrics, note), as a row's comparison judges."""
+
+
+@dataclass
+class OutputCheck:
+    """One more output leaf of a compared call, and what became of it."""
+
+    reference: str | None
+    """The reference's slot (``outputs.mask``); ``None`` for a leaf only the candidate returns."""
+    candidate: str | None
+    verdict: str
+    """``pass``, ``fail``, ``covered`` (compared where it was made), ``absent`` (the candidate returns nothing
+    more), ``not-compared`` or ``extra`` (the candidate's only)."""
+    how: str = ""
+    """How the two were paired (``data flow``, ``same key``, ``same position``) or where it was covered."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"reference": self.reference, "candidate": self.candidate, "verdict": self.verdict}
+        for key in ("how", "note"):
+            if getattr(self, key):
+                data[key] = getattr(self, key)
+        if self.metrics:
+            data["metrics"] = {key: self.metrics[key] for key in ("rel_l2", "max_abs") if key in self.metrics}
+        return data
+
+    def describe(self) -> str:
+        where = self.reference or self.candidate
+        if self.verdict == "fail":
+            detail = self.note or ", ".join(f"{key} {value:.3g}" for key, value in self.metrics.items()
+                                            if key in ("rel_l2", "max_abs"))  # fmt: skip
+            return f"{where} differs ({detail})"
+        if self.verdict == NOT_COMPARED:
+            return f"{where} was not compared ({self.note})"
+        return f"{where}: {self.verdict}"
+
+
+def leaves(node: Node | None, prefix: str) -> Iterator[tuple[str, Node]]:
+    """``(slot, node)`` for every tensor and scalar leaf below ``node``, depth first."""
+    if node is None:
+        return
+    kind = node.get("t")
+    if kind in ("tensor", "scalar"):
+        yield prefix, node
+    elif kind in ("tuple", "list"):
+        for index, item in enumerate(node["items"]):
+            yield from leaves(item, f"{prefix}.{index}")
+    elif kind == "dict":
+        for key, item in node["items"].items():
+            yield from leaves(item, f"{prefix}.{key}")
+
+
+def check_outputs(
+    ref_call: CallRecord,
+    cand_call: CallRecord,
+    primary: tuple[str | None, str | None],
+    judge: Judge,
+    partner: Mapping[int, int],
+    covered_by: Callable[[Node], str | None],
+    *,
+    root: bool,
+) -> list[OutputCheck]:
+    """The checks of every output leaf of ``ref_call``/``cand_call`` beside the ``primary`` slots.
+
+    ``partner`` maps reference call indices to their candidate counterparts (data flow); ``covered_by`` says
+    which compared row already judged a reference tensor (its module's path), or ``None``.
+    """
+    ref_leaves = [(slot, node) for slot, node in leaves(ref_call.outputs, "outputs") if slot != primary[0]]
+    cand_left = {slot: node for slot, node in leaves(cand_call.outputs, "outputs") if slot != primary[1]}
+    made_by = {node["from"]: slot for slot, node in cand_left.items() if isinstance(node.get("from"), int)}
+    checks: list[OutputCheck] = []
+    unpaired: list[tuple[str, Node]] = []
+    for slot, node in ref_leaves:
+        target, how = _counterpart(slot, node, cand_left, made_by, partner, root)
+        if target is not None:
+            checks.append(_judged(slot, node, target, cand_left.pop(target), how, judge))
+        elif root:
+            unpaired.append((slot, node))
+    for slot, node in unpaired:
+        where = covered_by(node) if node.get("t") == "tensor" else None
+        if where is not None:
+            checks.append(OutputCheck(slot, None, "covered", f"compared at {where}"))
+        elif cand_left:  # the candidate returns something unpaired too: it may be this, judged by nobody
+            checks.append(OutputCheck(slot, None, NOT_COMPARED, note="no compared module made it, and the "
+                                      f"candidate's {', '.join(cand_left)} does not pair with it"))  # fmt: skip
+        else:
+            checks.append(OutputCheck(slot, None, "absent", note="the candidate does not return it"))
+    if root:
+        checks += [OutputCheck(None, slot, "extra", note="returned by the candidate only") for slot in cand_left]
+    return checks
+
+
+def _counterpart(
+    slot: str,
+    node: Node,
+    cand: Mapping[str, Node],
+    made_by: Mapping[int, str],
+    partner: Mapping[int, int],
+    root: bool,
+) -> tuple[str | None, str]:
+    origin = node.get("from")
+    if isinstance(origin, int) and origin in partner and made_by.get(partner[origin]) in cand:
+        return made_by[partner[origin]], "data flow"
+    other = cand.get(slot)
+    if other is None or other.get("t") != node.get("t"):
+        return None, ""
+    if node.get("t") == "tensor" and _numel(node["shape"]) != _numel(other["shape"]):
+        return None, ""
+    named = any(not part.lstrip("-").isdigit() for part in slot.split(".")[1:])
+    if named:
+        return slot, "same key"
+    return (slot, "same position") if root else (None, "")
+
+
+def _judged(slot: str, node: Node, target: str, other: Node, how: str, judge: Judge) -> OutputCheck:
+    if node.get("t") == "scalar":
+        same = _same_scalar(node.get("v"), other.get("v"))
+        note = "" if same else f"{node.get('v')!r} vs {other.get('v')!r}"
+        return OutputCheck(slot, target, "pass" if same else "fail", how, note=note)
+    status, verdict, metrics, note = judge(node, other)
+    if status not in ("compared", "shape-mismatch") and verdict != "fail":
+        return OutputCheck(slot, target, NOT_COMPARED, how, metrics, note or status)
+    return OutputCheck(slot, target, verdict, how, metrics, note)
+
+
+def _same_scalar(a: object, b: object) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int | float) or not isinstance(b, int | float):
+        return a == b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return math.isclose(a, b, rel_tol=1.3e-6, abs_tol=1e-5)
+
+
+def _numel(shape: list[int]) -> int:
+    return math.prod(shape)
