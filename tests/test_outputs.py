@@ -40,7 +40,7 @@ class Model(nn.Module):
         super().__init__()
         self.body, self.kind, self.fault = Body(), kind, fault
 
-    def forward(self, ids: torch.Tensor):  # noqa: ANN201 - the point is the variety of return types
+    def forward(self, ids: torch.Tensor):
         logits, hidden = self.body(ids)
         mask = ids > 7
         scores = hidden.sum(-1) * 2.0
@@ -125,7 +125,11 @@ def test_a_candidate_that_returns_less_is_judged_on_what_it_returns(tmp_path):
     result = check(tmp_path, Model("tuple"), Model("logits"))
     assert result.verdict == "pass"
     (absent,) = root_row(result).outputs
-    assert (absent.reference, absent.verdict, absent.note) == ("outputs.1", "absent", "the candidate does not return it")
+    assert (absent.reference, absent.verdict, absent.note) == (
+        "outputs.1",
+        "absent",
+        "the candidate does not return it",
+    )
 
 
 def test_an_output_made_by_a_compared_module_is_covered_there(tmp_path):
@@ -135,3 +139,59 @@ def test_an_output_made_by_a_compared_module_is_covered_there(tmp_path):
     (covered,) = root_row(result).outputs
     assert covered.reference == "outputs.1" and covered.verdict in ("pass", "covered")
     assert result.verdict == "pass"
+
+
+class Preprocessing(nn.Module):
+    """A model whose own code changes its input in place: before computing (``before``) or after (``after``)."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__()
+        self.body, self.step = Body(), step
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.step == "before":
+            ids %= 7
+        logits, _ = self.body(ids)
+        if self.step == "after":
+            ids.zero_()
+        return logits
+
+
+@pytest.mark.parametrize(
+    ("reference", "candidate", "verdict", "changed"),
+    [
+        # the reference preprocesses in place; the candidate lacks the step: it must not be fed the processed ids
+        ("before", "", "fail", {"reference": ["inputs.args.0"]}),
+        # the reference zeroes its input after computing: an identical copy must still be fed the real ids
+        ("after", "", "pass", {"reference": ["inputs.args.0"]}),
+        ("", "after", "pass", {"candidate": ["inputs.args.0"]}),
+        ("before", "before", "pass", {"reference": ["inputs.args.0"], "candidate": ["inputs.args.0"]}),
+    ],
+)
+def test_each_side_is_fed_its_own_copy_and_an_in_place_change_is_said(tmp_path, reference, candidate, verdict, changed):
+    ids = IDS.clone()
+    result = paritylab.check(
+        Preprocessing(reference), Preprocessing(candidate), tmp_path, reference_call=lambda m: m(ids), noise_floor="off"
+    )
+    assert result.verdict == verdict
+    assert torch.equal(ids, IDS)  # the caller's tensor is never changed
+    assert result.report.inputs_changed == changed
+    from paritylab.reports.render import headline
+
+    side = next(iter(changed))
+    assert f"the {side} changed its input inputs.args.0 in place (each side was fed its own copy)" in headline(
+        result.report
+    )
+
+
+def test_a_candidate_that_changes_its_input_before_computing_fails_and_says_so(tmp_path):
+    """Its own code changed the ids before its embedding saw them: the run fails and the headline says which
+    side changed which input. (Where the blame lands is not settled: the embedding is fed other integer ids,
+    which the replay does not replace, as implementations legitimately pass different ones: docs/faults.md.)"""
+    from paritylab.reports.render import headline
+
+    result = check(tmp_path, Preprocessing(""), Preprocessing("before"))
+    assert result.verdict == "fail"
+    assert "the candidate changed its input inputs.args.0 in place" in headline(result.report)
+    embed = next(row for row in result.report.rows if row.path == "body.embed")
+    assert embed.verdict == "fail" and embed.input_verdict == "fail"  # it was fed other ids, and the row says so

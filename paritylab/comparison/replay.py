@@ -290,7 +290,8 @@ def _systematic(
 def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord) -> bool:
     """In the replay, the row's floating-point input differs from the reference's although every paired
     module upstream was given the reference's values (integer inputs, such as token or position ids, are
-    what each implementation chose to pass, not values an upstream error could have changed)."""
+    what each implementation chose to pass, not values an upstream error could have changed: GPT-2's
+    position embedding takes positions where TransformerLens' takes the tokens)."""
     node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
     if not local.input_metrics or node is None or not str(node.get("dtype", "")).startswith(("float", "bfloat")):
         return False
@@ -316,6 +317,8 @@ def _unreplaced_source(
         note = f"no counterpart; only {parent_path or '<root>'}'s own code uses its output, and the value it gives"
         return source, note + f" {where} diverges while every paired module before it was given the reference's values"
     parent = by_index.get(row.parent) if row.parent is not None else None
+    while parent is not None and parent.input_verdict == "fail" and parent.parent in by_index:
+        parent = by_index[parent.parent]  # it was given that value too: the code that made it is further out
     if parent is None:
         return None
     note = f"its own code between its children gives {where} a value the reference does not, while every paired"

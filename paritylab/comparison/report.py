@@ -204,6 +204,16 @@ class Report:
         }
 
     @property
+    def inputs_changed(self) -> dict[str, list[str]]:
+        """Per side, the inputs its forward changed in place (each side had its own copy: see
+        :attr:`~paritylab.tracing.tracer.TraceOptions.private_inputs`)."""
+        return {
+            side: list(meta["inputs_changed"])
+            for side, meta in (("reference", self.reference_meta), ("candidate", self.candidate_meta))
+            if meta.get("inputs_changed")
+        }
+
+    @property
     def output_row(self) -> Row | None:
         """The row of the model's output (the outermost call that was compared)."""
         compared = [row for row in self.rows if row.status in ("compared", "stats-only", "shape-mismatch")]
@@ -249,6 +259,7 @@ class Report:
             "unmatched_reference": len(self.alignment.unmatched_reference),
             "unmatched_candidate": len(self.alignment.unmatched_candidate),
             "first_nonfinite": self.first_nonfinite,
+            "inputs_changed": self.inputs_changed,
             "errors": self.errors,
         }
 

@@ -45,7 +45,16 @@ def _cells(row: Row) -> list[str]:
 
 
 def headline(report: Report) -> str:
-    """One line: the verdict and where divergence starts."""
+    """One line: the verdict and where divergence starts (and any input a forward changed in place)."""
+    changed = "; ".join(
+        f"the {side} changed its input {', '.join(slots)} in place (each side was fed its own copy)"
+        for side, slots in report.inputs_changed.items()
+    )
+    line = _verdict_line(report)
+    return f"{line}; {changed}" if changed and not report.errors else line
+
+
+def _verdict_line(report: Report) -> str:
     summary = report.summary()
     if report.errors:
         side, error = next(iter(report.errors.items()))

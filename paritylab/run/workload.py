@@ -54,11 +54,11 @@ class CallSpec:
         def run(model: nn.Module) -> Any:
             dtype = _float_dtype(model) if self.cast else None
 
-            def prepared(name: str) -> torch.Tensor:
+            def prepared(name: str) -> torch.Tensor:  # a copy per call: no forward changes what the next is fed
                 value = inputs[name]
                 if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                     return value.to(dtype)
-                return value
+                return value.clone() if isinstance(value, torch.Tensor) else value
 
             args = [prepared(name) for name in self.args]
             keywords = {parameter: prepared(name) for parameter, name in self.kwargs.items()}

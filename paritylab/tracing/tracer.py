@@ -58,6 +58,10 @@ class TraceOptions:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     on_call: Callable[[CallRecord], None] | None = None
     """Called after each recorded call completes (progress bars); keep it cheap."""
+    private_inputs: bool = True
+    """The model's own call gets a private copy of every tensor it is given (in plain tuples, lists and dicts),
+    so a forward that changes an input in place cannot change what the caller, and the other side of a parity
+    run, feeds next; such a change is recorded in the trace's ``meta["inputs_changed"]``."""
     fingerprint: bool = True
     """Record each module's parameter fingerprint (:mod:`.structure`), the evidence alignment trusts."""
 
@@ -121,6 +125,9 @@ class Tracer:
         self._out_seen: list[_Seen] = []
         self._structure: list[dict[str, Any]] | None = None
         self._journal: Journal | None = None
+        self._private: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []
+        """The root call's inputs: (slot, the caller's tensor, the private copy, the copy's version)."""
+        self._inputs_changed: list[str] = []
 
     # -- context management ------------------------------------------------------------------------------
 
@@ -178,13 +185,32 @@ class Tracer:
     # -- hooks (the hot path) ----------------------------------------------------------------------------
 
     def _pre_hook(self, path: str) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            replaced = None
             try:
+                if not self._stack and self.options.private_inputs:
+                    replaced = self._privatise(args, kwargs)
+                    if replaced is not None:
+                        args, kwargs = replaced
                 self._open_call(path, module, args, kwargs)
             except Exception as error:  # a tracer bug must not break the user's forward
                 self._note_hook_error(path, error)
+            return replaced
 
         return hook
+
+    def _privatise(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        """The root call's arguments with every tensor copied (see :attr:`TraceOptions.private_inputs`)."""
+        self._private = []
+        copied = _copied(args, "inputs.args", self._private), _copied(kwargs, "inputs.kwargs", self._private)
+        return copied if self._private else None
+
+    def _check_private(self) -> None:
+        """Record the root call's inputs that its forward changed in place (by value, not by version alone)."""
+        for slot, original, copy, version in self._private:
+            if tensor_version(copy) != version and not _same_values(original, copy):
+                self._inputs_changed.append(slot)
+        self._private = []
 
     def _post_hook(self, path: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -225,6 +251,8 @@ class Tracer:
         if not self._stack or self._stack[-1][0].path != path:
             return  # unbalanced (a hook of ours failed on entry); nothing to close
         record, ambient, versions = self._stack.pop()
+        if not self._stack and self._private:
+            self._check_private()
         raised = sys.exc_info()[1]
         if raised is not None and raised is not ambient:
             record.error = f"{type(raised).__name__}: {raised}"
@@ -402,6 +430,8 @@ class Tracer:
             }
         if self._hook_error is not None:
             meta["hook_error"] = self._hook_error
+        if self._inputs_changed:
+            meta["inputs_changed"] = sorted(set(self._inputs_changed))
         if self._structure is not None:
             meta["structure"] = self._structure
         return meta
@@ -495,6 +525,27 @@ def _pending_bytes(chosen: int | None, model: nn.Module) -> int:
         cores = os.cpu_count() or 1
     on_cpu = _model_device(model) == "cpu"
     return DEFAULT_PENDING_BYTES if not on_cpu or torch.get_num_threads() < cores else 0
+
+
+def _copied(value: Any, slot: str, copies: list[tuple[str, torch.Tensor, torch.Tensor, int | None]]) -> Any:
+    """``value`` with each tensor in it (through plain tuples, lists and dicts) replaced by a copy, noted in
+    ``copies`` under its slot."""
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone() if not value.requires_grad else value.clone()
+        copies.append((slot, value, copy, tensor_version(copy)))
+        return copy
+    if type(value) in (tuple, list):
+        return type(value)(_copied(item, f"{slot}.{index}", copies) for index, item in enumerate(value))
+    if type(value) is dict:
+        return {key: _copied(item, f"{slot}.{key}", copies) for key, item in value.items()}
+    return value
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device)))
+    except RuntimeError:  # a tensor subclass without equal
+        return False
 
 
 def is_compiled(model: nn.Module) -> bool:
