@@ -20,6 +20,7 @@ from paritylab import Trace
 from paritylab.cli.app import compose, preflight
 from paritylab.comparison.report import compare_traces
 from paritylab.reports.render import headline
+from paritylab.run.config import fresh_directory
 from paritylab.run.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
 from tests.helpers import migrated_store, parity_runs
 
@@ -27,7 +28,7 @@ from tests.helpers import migrated_store, parity_runs
 def run_with(tmp_path: Path, *overrides: str):
     uri = migrated_store(tmp_path / "mlflow.db")
     cfg = compose([f"tracking.uri={uri}", *overrides])
-    result = run(cfg, tmp_path / "run", echo=lambda _: None)
+    result = run(cfg, fresh_directory(str(tmp_path / "run")), echo=lambda _: None)  # run, run-2, ...: never shared
     return result, MlflowClient(uri)
 
 

@@ -12,6 +12,7 @@ import enum
 import importlib
 import importlib.resources
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,23 @@ def register() -> None:
     ``paritylab.dirname`` resolver that names sweep job directories."""
     ConfigStore.instance().store(name="parity_schema", node=ParityConfig)
     OmegaConf.register_new_resolver("paritylab.dirname", job_dirname, replace=True)
+    OmegaConf.register_new_resolver("paritylab.fresh", fresh_directory, replace=True, use_cache=True)
+
+
+def fresh_directory(path: str) -> str:
+    """``path``, else ``path-2``, ``path-3``, ...: the first one this call creates. Creation is atomic, so two
+    runs started in the same second (one clock reading, one name) never share a directory. The resolver is
+    cached: every later reading in this process gets the directory it created."""
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for number in itertools.count(1):
+        chosen = base if number == 1 else base.with_name(f"{base.name}-{number}")
+        try:
+            chosen.mkdir()
+        except FileExistsError:
+            continue
+        return str(chosen)
+    raise AssertionError("unreachable")
 
 
 DIRNAME_LIMIT = 100

@@ -8,6 +8,8 @@ KILLED on SIGTERM / Ctrl-C). Exit codes: 0 parity holds, 1 it does not, 2 an err
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -55,7 +57,7 @@ from paritylab.sink.publish import RunRecord, upload_tensors
 from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import Metric, TrackingError, flatten
 from paritylab.sink.worker import connect
-from paritylab.tracing.tracefile import Trace, display_path, write_json
+from paritylab.tracing.tracefile import Trace, display_path, printable, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
 RESIDENT_DIR = ".resident"
@@ -81,11 +83,11 @@ def run(cfg: DictConfig, directory: str | Path | None = None, echo: Callable[[st
     try:
         check_writable("output directory", out)
         out.mkdir(parents=True, exist_ok=True)
+        claim_directory(out)
     except (ConfigError, OSError) as error:
         message = one_line(error) if isinstance(error, ConfigError) else f"cannot create {out}: {error}"
         echo(f"paritylab: {message}")
         return RunResult(EXIT_ERROR, out, error=message)
-    (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier run in this directory is not ours
     try:
         check_targets(cfg)
         _device(cfg)
@@ -625,6 +627,24 @@ def _hydra_overrides() -> list[str]:
     if not HydraConfig.initialized():
         return []
     return [str(item) for item in HydraConfig.get().overrides.task]
+
+
+CLAIM = ".paritylab-run"
+"""The marker a run creates, exclusively, in its directory before writing anything there."""
+
+
+def claim_directory(directory: Path) -> None:
+    """Make ``directory`` this run's alone: its marker is created exclusively, so a directory that another run
+    holds or held (started in the same second, or named again on purpose) is refused, never shared or reused,
+    and nothing an earlier run wrote is overwritten."""
+    try:
+        with open(directory / CLAIM, "x", encoding="utf-8") as handle:
+            handle.write(json.dumps({"pid": os.getpid(), "started": time.time()}))
+    except FileExistsError:
+        raise ConfigError(
+            f"{printable(str(directory))} already holds another paritylab run: pass a new directory "
+            "(hydra.run.dir=... or output_dir=...), or remove that one"
+        ) from None
 
 
 def start_up_phases() -> dict[str, float]:

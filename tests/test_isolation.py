@@ -1,0 +1,62 @@
+"""A run reads and writes only what is its own: a directory no other run shares, trace files that are the
+trace's own (never one linked from outside), and the keys it knows (a typo is refused, never ignored)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paritylab.cli.app import compose
+from paritylab.run.config import fresh_directory
+from paritylab.run.runner import EXIT_ERROR, run
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def test_a_fresh_directory_is_never_one_that_exists(tmp_path):
+    first = fresh_directory(str(tmp_path / "outputs" / "12-00-00-llava-port"))
+    second = fresh_directory(str(tmp_path / "outputs" / "12-00-00-llava-port"))
+    assert Path(first).name == "12-00-00-llava-port" and Path(second).name == "12-00-00-llava-port-2"
+    assert Path(first).is_dir() and Path(second).is_dir()
+
+
+@pytest.mark.slow
+def test_two_runs_started_with_one_directory_name_never_share_it(tmp_path):
+    """Both processes read one clock value (the same name); one is clean, one fails: each reports its own."""
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+    common = [sys.executable, "-m", "paritylab", "tracking=off", "compare.replay=false",
+              "hydra.run.dir=${paritylab.fresh:outputs/same-second}"]  # fmt: skip
+    faulty = ["candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+              "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
+              "+candidate.ports.llava.build.scale=1.05"]  # fmt: skip
+    processes = [
+        subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for command in (common, common + faulty)
+    ]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 1], outputs
+    assert "PASS:" in outputs[0] and "FAIL:" in outputs[1]
+    directories = sorted((tmp_path / "outputs").iterdir())
+    assert [d.name for d in directories] == ["same-second", "same-second-2"]
+    verdicts = sorted(json.loads((d / "run.json").read_text())["verdict"] for d in directories)
+    assert verdicts == ["fail", "pass"]
+
+
+def test_a_directory_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
+    cfg = compose(["tracking=off", "compare.replay=false"])
+    first = run(cfg, tmp_path / "run", echo=lambda _: None)
+    assert first.exit_code == 0
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    lines: list[str] = []
+    second = run(cfg, tmp_path / "run", echo=lines.append)
+    assert second.exit_code == EXIT_ERROR
+    assert lines == [
+        f"paritylab: {tmp_path / 'run'} already holds another paritylab run: pass a new directory "
+        "(hydra.run.dir=... or output_dir=...), or remove that one"
+    ]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
