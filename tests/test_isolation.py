@@ -60,3 +60,52 @@ def test_a_directory_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
         "(hydra.run.dir=... or output_dir=...), or remove that one"
     ]
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
+def _killed_trace(tmp_path: Path) -> Path:
+    """A trace whose process was killed mid-forward: journals and unfinished ``.partial`` shards."""
+    import time
+
+    from tests.test_reliability import KILLED_MID_FORWARD
+
+    directory, marker = tmp_path / "killed", tmp_path / "marker"
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_FORWARD, str(directory), str(marker)],
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.kill()
+    process.wait(timeout=30)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_recovering_a_killed_trace_never_writes_through_a_link_to_an_outside_file(tmp_path, link):
+    """A ``.partial`` shard that is another name of a file outside the trace: recovery finishes a private copy;
+    the outside file keeps every byte, and the trace still loads with its tensors."""
+    import hashlib
+
+    from paritylab import Trace, TraceFormatError
+    from paritylab.cli.compare import main as compare
+
+    directory = _killed_trace(tmp_path)
+    (partial,) = directory.glob("*.partial")
+    outside = tmp_path / "precious.bin"
+    os.replace(partial, outside)
+    os.link(outside, partial) if link == "hard" else os.symlink(outside, partial)
+    before = hashlib.sha256(outside.read_bytes()).hexdigest(), outside.stat().st_size
+    assert compare([str(directory), str(directory)]) == 2  # a killed forward, or a refused link: exit 2 either way
+    assert (hashlib.sha256(outside.read_bytes()).hexdigest(), outside.stat().st_size) == before
+    if link == "symbolic":  # a trace directory holds only real files: refused in one line, nothing written
+        with pytest.raises(TraceFormatError, match=r"\.partial is a symbolic link; a trace directory holds only"):
+            Trace.load(directory)
+        assert not (directory / "trace.json").exists()
+        return
+    trace = Trace.load(directory)
+    assert trace.meta["recovered"] is True
+    stored = [node for call in trace.calls for _, node in call.tensors("outputs") if "ref" in node]
+    assert stored and all(trace.tensor(node) is not None for node in stored)
+    assert not list(directory.glob("*.recovering"))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +106,35 @@ def _finish_shards(directory: Path) -> dict[str, str]:
             kept = {n: e for n, e in shard_entries.items() if e["data_offsets"][1] <= size}  # whole tensors only
             if not kept:
                 continue
-            with open(partial, "r+b") as handle:
+            work = partial if owned(partial, directory) else _private_copy(partial)
+            with open(work, "r+b") as handle:
                 finish_shard(handle, metadata, kept, max(e["data_offsets"][1] for e in kept.values()))
-            os.replace(partial, final)
+            os.replace(work, final)
             shard_entries = kept
         if final.is_file():
             found.update(dict.fromkeys(shard_entries, file))
     return found
+
+
+def owned(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is provably the trace's own file, safe to write in place: a regular file (not a link),
+    with no other name (one hard link), on the directory's device, inside the directory."""
+    try:
+        status, home = os.lstat(path), os.stat(directory)
+    except OSError:
+        return False
+    inside = path.resolve().parent == directory.resolve()
+    return stat.S_ISREG(status.st_mode) and status.st_nlink == 1 and status.st_dev == home.st_dev and inside
+
+
+def _private_copy(path: Path) -> Path:
+    """A new file in ``path``'s directory holding its bytes: a shard linked from elsewhere (a hard or symbolic
+    link) is finished in this copy, so recovering never writes through to a file outside the trace."""
+    copy = path.with_name(path.name + ".recovering")
+    copy.unlink(missing_ok=True)  # only this name goes; whatever it pointed to is left as it is
+    with open(path, "rb") as source, open(copy, "xb") as target:
+        shutil.copyfileobj(source, target, 1 << 20)
+    return copy
 
 
 def _lines(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
