@@ -16,14 +16,20 @@ register()
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     from paritylab.run.runner import run
+    from paritylab.sink.interrupts import EXIT_INTERRUPTED
+    from paritylab.sink.sweep import sweep_state
 
-    record(run(cfg).exit_code)
+    code = run(cfg).exit_code
+    record(code)
+    if code == EXIT_INTERRUPTED and sweep_state() is not None:
+        raise KeyboardInterrupt  # stop the sweep: no job after an interrupted one
 
 
 def entry() -> None:
     """The ``paritylab`` console script (same as ``python -m paritylab``). ``--profile[=FILE]`` (before the
     overrides) writes a cProfile of the whole process to FILE (default ``paritylab.prof``)."""
     import paritylab
+    from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
     from paritylab.sink.sweep import finish_sweep
 
     paritylab.FROM_COMMAND_LINE = True
@@ -34,7 +40,14 @@ def entry() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     preflight(sys.argv[1:])
-    main()
+    try:
+        with sigterm_as_interrupt():
+            main()
+    except KeyboardInterrupt:  # a sweep between jobs, or Hydra's own code: a single run handles it itself
+        with signals_ignored():
+            finish_sweep(interrupted=True)
+        print("paritylab: interrupted; finished jobs are kept, the sweep's parent run is KILLED", file=sys.stderr)
+        exit_process(EXIT_INTERRUPTED)
     code = max(exit_code(), finish_sweep())
     if profile is not None:
         profiler.disable()

@@ -109,3 +109,47 @@ def test_recovering_a_killed_trace_never_writes_through_a_link_to_an_outside_fil
     stored = [node for call in trace.calls for _, node in call.tensors("outputs") if "ref" in node]
     assert stored and all(trace.tensor(node) is not None for node in stored)
     assert not list(directory.glob("*.recovering"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+compare.rtoll=1"], "compare.rtoll is not a paritylab setting (did you mean compare.rtol?)"),
+        (["compare.rtoll=1"], "compare.rtoll is not a paritylab setting (did you mean compare.rtol?)"),
+        (["+devcie=cuda"], "devcie is not a paritylab setting (did you mean device?)"),
+        (["++devcie=cuda"], "devcie is not a paritylab setting (did you mean device?)"),
+        (
+            ["candidate=prot"],
+            "candidate=prot is not a candidate config (did you mean candidate=port?): choose one of "
+            "bf16, compiled, eager, port, sdpa",
+        ),
+        (["-m", "compare.rtol=1e-3", "+compare.atoll=1,2"], "compare.atoll is not a paritylab setting (did you mean"),
+    ],
+)
+def test_an_unknown_key_or_choice_is_refused_in_one_line_with_what_was_meant(overrides, message, capsys):
+    """With or without ``+``, a key paritylab does not know is refused before anything runs, naming the closest
+    one, and never with a suggestion that would be ignored."""
+    from paritylab.cli.app import preflight
+
+    with pytest.raises(SystemExit) as exited:
+        preflight([*overrides, "tracking=off"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"paritylab: bad configuration: {message}" in err
+    assert "+compare" not in err.split(message, 1)[1]  # never suggests adding the typo
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["++compare.rtol=0.1"],  # forcing a key that exists
+        ["+candidate.ports.llava.build.bug=mask"],  # open: a builder's own arguments
+        ["+model.call.kwargs.output_hidden_states=true"],
+        ["+compare.modules.lm_head.rtol=0.01"],
+        ["+experiment=nightly"],  # a config group
+    ],
+)
+def test_open_sections_and_known_keys_are_accepted(overrides):
+    from paritylab.cli.app import preflight
+
+    preflight([*overrides, "tracking=off"])  # no SystemExit

@@ -321,3 +321,41 @@ def test_a_sweep_parent_is_failed_when_any_child_fails_or_errors(tmp_path, monke
     assert parent.info.status == "FAILED" and parent.data.metrics["sweep/failed"] == 1
     note = parent.data.tags["mlflow.note.content"]
     assert note.index("| 2-candidate=x2 | pass |") < note.index("| 10-candidate=x10 |")  # 2 before 10
+
+
+def test_ctrl_c_in_a_sweep_exits_130_keeps_finished_jobs_and_kills_the_parent(tmp_path):
+    """SIGINT (a terminal's Ctrl-C) while the second job's forward runs: one line, exit 130, no traceback; the
+    finished job stays FINISHED, the interrupted one and the parent are KILLED, no later job starts; the parent
+    carries its owner, so a sweep killed outright leaves it to the next run's stale-run cleanup."""
+    import signal
+
+    store = migrated_store(tmp_path / "mlflow.db")
+    sweep_dir = tmp_path / "sweep"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "paritylab", "-m", "compare.replay=false", f"tracking.uri={store}",
+         "tracking.experiment=interrupted", f"hydra.sweep.dir={sweep_dir}",
+         "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
+         "tests.faulty.slow_port,paritylab.experiments.llava_port.from_reference"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the first job finished and the second is in its slow forward
+        if any(sweep_dir.glob("0-*/run.json")) and any(sweep_dir.glob("1-*/candidate")):
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err
+    assert "paritylab: interrupted; finished jobs are kept, the sweep's parent run is KILLED" in err
+    client = MlflowClient(store)
+    runs = runs_of(client, "interrupted")
+    (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
+    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                      key=lambda r: r.info.start_time)  # fmt: skip
+    assert parent.info.status == "KILLED"
+    assert [c.info.status for c in children] == ["FINISHED", "KILLED"]  # the third job never started
+    assert not any(sweep_dir.glob("2-*"))
+    assert parent.data.tags["paritylab.pid"] == str(process.pid) and parent.data.tags["paritylab.host"]

@@ -65,16 +65,33 @@ def preflight(argv: list[str]) -> None:
     if any(arg in _HYDRA_FLAGS for arg in argv):
         return
     overrides, config_dir, config_name = _split(argv)
+    from paritylab.run.config import check_complete, one_line
+    from paritylab.run.overrides import additions, check_additions, explain, group_choices
+
+    groups = group_choices([CONF_DIR, *([Path(config_dir)] if config_dir else [])])
+    for variant in _expansions(overrides):
+        try:
+            check_complete(compose(variant, config_dir, config_name))
+            added = additions(variant, groups)
+            if added:  # checked against the configuration before anything was added to it
+                check_additions(added, compose(_choices_only(variant, groups), config_dir, config_name))
+        except Exception as error:
+            explained = explain(error, _base(variant, groups, config_dir, config_name), groups)
+            print(f"paritylab: bad configuration: {one_line(explained or error)}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _choices_only(overrides: list[str], groups: dict[str, list[str]]) -> list[str]:
+    """The overrides that choose a config group's option (``candidate=port``, ``+experiment=nightly``)."""
+    return [item for item in overrides if item.lstrip("+~").split("=", 1)[0] in groups]
+
+
+def _base(overrides: list[str], groups: dict[str, list[str]], config_dir: str | None, name: str) -> DictConfig | None:
+    """The configuration with only the group choices applied (``None`` when even that does not compose)."""
     try:
-        from paritylab.run.config import check_complete
-
-        for candidate in _expansions(overrides):
-            check_complete(compose(candidate, config_dir, config_name))
-    except Exception as error:
-        from paritylab.run.config import one_line
-
-        print(f"paritylab: bad configuration: {one_line(error)}", file=sys.stderr)
-        sys.exit(2)
+        return compose(_choices_only(overrides, groups), config_dir, name)
+    except Exception:
+        return None
 
 
 def compose(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> DictConfig:

@@ -317,8 +317,11 @@ def _unreplaced_source(
         note = f"no counterpart; only {parent_path or '<root>'}'s own code uses its output, and the value it gives"
         return source, note + f" {where} diverges while every paired module before it was given the reference's values"
     parent = by_index.get(row.parent) if row.parent is not None else None
-    while parent is not None and parent.input_verdict == "fail" and parent.parent in by_index:
-        parent = by_index[parent.parent]  # it was given that value too: the code that made it is further out
+    while parent is not None and parent.input_verdict == "fail":
+        outer = by_index.get(parent.parent) if parent.parent is not None else None
+        if outer is None:
+            break
+        parent = outer  # it was given that value too: the code that made it is further out
     if parent is None:
         return None
     note = f"its own code between its children gives {where} a value the reference does not, while every paired"

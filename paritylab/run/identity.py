@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import platform
-import socket
 import subprocess
 import sys
 import uuid
@@ -15,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from paritylab.sink.history import FINGERPRINT, pair_fingerprint
-from paritylab.sink.processes import process_start
+from paritylab.sink.processes import owner_tags
 from paritylab.sink.store import RUN_UID
 
 
@@ -68,9 +66,7 @@ def run_tags(
         "paritylab.pair": f"{cfg.model.name}/{cfg.candidate.name}",
         "paritylab.inputs": f"{cfg.inputs.kind} seed {cfg.inputs.seed}",
         FINGERPRINT: pair_fingerprint(resolved),
-        "paritylab.host": socket.gethostname(),
-        "paritylab.pid": str(os.getpid()),
-        "paritylab.process_start": process_start(os.getpid()) or "unknown",
+        **owner_tags(),
         "paritylab.start_ms": str(start_ms),
         RUN_UID: uuid.uuid4().hex,
         "mlflow.user": _user(),

@@ -27,6 +27,15 @@ def process_start(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def owner_tags() -> dict[str, str]:
+    """This process as a run's owner: host, pid and start (see :func:`owner_gone`)."""
+    return {
+        "paritylab.host": socket.gethostname(),
+        "paritylab.pid": str(os.getpid()),
+        "paritylab.process_start": process_start(os.getpid()) or "unknown",
+    }
+
+
 def process_age() -> float | None:
     """Seconds since this process started (Linux ``/proc``, the boot clock on both sides); None elsewhere."""
     try:

@@ -18,6 +18,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from paritylab.sink.interrupts import EXIT_INTERRUPTED
+from paritylab.sink.processes import owner_tags
 from paritylab.tracing.files import write_json
 
 STATE_FILE = "paritylab_sweep.json"
@@ -62,6 +64,7 @@ def _open_parent(tracking: DictConfig, overrides: list[str]) -> dict[str, Any]:
             "paritylab.sweep": "true",
             "paritylab.sweep_number": str(number),
             "paritylab.overrides": " ".join(overrides),
+            **owner_tags(),  # a sweep that dies leaves its parent to the next run's stale-run cleanup
         }
         tracker.start(f"sweep/{number}", tags)
     except TrackingError as error:
@@ -89,17 +92,18 @@ def sweep_state() -> dict[str, Any] | None:
         return None
 
 
-def finish_sweep(directory: Path | None = None) -> int:
+def finish_sweep(directory: Path | None = None, interrupted: bool = False) -> int:
     """Summarise the sweep's jobs (printed and logged on the parent run); returns the process exit code:
-    0 when every job passed without regression, 1 when one failed or regressed, 2 when one errored."""
+    0 when every job passed without regression, 1 when one failed or regressed, 2 when one errored, 130 when
+    the sweep was ``interrupted`` (Ctrl-C, SIGTERM: the parent run ends KILLED, the finished jobs kept)."""
     directory = directory or _current
     if directory is None or not (directory / STATE_FILE).is_file():
         return 0
     state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
     if state.get("finished"):
         return int(state.get("exit_code", 0))
-    jobs = _jobs(directory)
-    code = max((job["exit_code"] for job in jobs), default=2)
+    jobs = _jobs(directory, interrupted)
+    code = EXIT_INTERRUPTED if interrupted else max((job["exit_code"] for job in jobs), default=2)
     summary = summarise(jobs, state)
     print(summary)
     (directory / "sweep_summary.md").write_text(summary, encoding="utf-8")
@@ -119,8 +123,9 @@ def _remove_placeholder_folders(directory: Path) -> None:
             folder.rmdir()
 
 
-def _jobs(directory: Path) -> list[dict[str, Any]]:
-    """Every job's ``run.json``; a job that started but wrote none counts as an error."""
+def _jobs(directory: Path, interrupted: bool = False) -> list[dict[str, Any]]:
+    """Every job's ``run.json``; a job that started but wrote none counts as an error (as interrupted, when
+    the sweep was)."""
     jobs = []
 
     def number(path: Path) -> tuple[int, str]:  # job directories start with Hydra's job number: 2 before 10
@@ -131,7 +136,11 @@ def _jobs(directory: Path) -> list[dict[str, Any]]:
         try:
             job = json.loads((job_dir / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            job = {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
+            job = (
+                {"exit_code": EXIT_INTERRUPTED, "verdict": "interrupted", "error": "interrupted", "link": ""}
+                if interrupted
+                else {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
+            )
         job["directory"] = job_dir.name
         jobs.append(job)
     return jobs
@@ -166,7 +175,8 @@ def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, A
         counts["regressed"] = sum(1 for j in jobs if j.get("regression") == "regressed")
         tracker.log_metrics([Metric(f"sweep/{key}", value) for key, value in counts.items()])
         tracker.log_artifact(directory / "sweep_summary.md")
-        tracker.end("FINISHED" if code == 0 else "FAILED")  # any job that failed, regressed or errored
+        # FAILED: a job failed, regressed or errored; KILLED: the sweep was interrupted
+        tracker.end("KILLED" if code == EXIT_INTERRUPTED else "FINISHED" if code == 0 else "FAILED")
     except TrackingError as error:
         print(f"paritylab: could not log the sweep summary: {error}")
 
