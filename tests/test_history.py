@@ -157,3 +157,16 @@ def test_opening_a_fresh_store_says_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert MlflowClient(f"sqlite:///{database}").get_experiment_by_name("first").experiment_id == result.stdout.strip()
+
+
+def test_promote_gives_the_verdict_as_the_reason_for_a_failing_run_without_layer_metrics(store):
+    """A run that failed before any layer was compared (no per-layer metrics) is refused for its verdict first."""
+    uri, client, experiment = store
+    run = client.create_run(experiment, tags={"paritylab.pair": "llava/port", FINGERPRINT: "bbb",
+                                              "paritylab.verdict": "fail"})  # fmt: skip
+    client.set_terminated(run.info.run_id, "FINISHED")
+    promote = MlflowTracker(uri, "history").store().promote
+    expected = "its verdict is 'fail', not 'pass', and it has no per-layer metrics to compare against"
+    for force in (False, True):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            promote(run.info.run_id, force)

@@ -153,3 +153,35 @@ def test_open_sections_and_known_keys_are_accepted(overrides):
     from paritylab.cli.app import preflight
 
     preflight([*overrides, "tracking=off"])  # no SystemExit
+
+
+class _Payload:
+    """What a malicious checkpoint pickles: unpickling it would call a function (here a harmless one)."""
+
+    def __reduce__(self):
+        return (print, ("unpickled: code ran",))
+
+
+def test_a_pretrained_bin_that_holds_code_is_refused_in_one_line(tmp_path, capsys):
+    """transformers loads a ``pytorch_model.bin`` with ``torch.load(weights_only=True)``: a pickle that calls
+    something is refused, and the run says so in one line naming the directory (exit 2), running no code."""
+    import torch
+
+    from tests.tiny import tiny_llama_config
+
+    tiny_llama_config().save_pretrained(tmp_path / "checkpoint")
+    torch.save({"model.embed_tokens.weight": _Payload()}, tmp_path / "checkpoint" / "pytorch_model.bin")
+    lines: list[str] = []
+    cfg = compose(
+        ["model=llama", "candidate=sdpa", "tracking=off", f"model.build.pretrained={tmp_path / 'checkpoint'}"]
+    )
+    result = run(cfg, tmp_path / "run", echo=lines.append)
+    assert result.exit_code == EXIT_ERROR
+    assert "unpickled: code ran" not in capsys.readouterr().out
+    refusal = [line for line in lines if "pickled code" in line]
+    assert refusal == [
+        f"paritylab: model.build.pretrained={tmp_path / 'checkpoint'}: a weights file there holds pickled code, not "
+        "only tensors, and the weights-only load refused it; convert it to safetensors where you trust it, or use a "
+        "safetensors copy"
+    ]
+    assert all("\n" not in line for line in lines)

@@ -138,3 +138,19 @@ def test_the_child_imports_neither_torch_nor_mlflow_before_it_is_asked():
     code = "import sys, paritylab.sink.worker; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPOSITORY)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_child_whose_run_was_killed_while_it_opened_the_run_exits_quietly(tmp_path):
+    """kill -9 of the run while its child opens the MLflow run: the reply has no reader. The child says nothing
+    (no BrokenPipeError traceback on the terminal) and exits."""
+    uri = migrated_store(tmp_path / "mlflow.db")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "paritylab.sink.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=REPOSITORY,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    child.stdout.close()  # the run is gone: nobody will read the reply
+    child.stdin.write(json.dumps({"op": "open", "arguments": Opening(_record(uri), 10.0, 0).to_json()}) + "\n")
+    child.stdin.close()
+    assert child.wait(timeout=120) == 0
+    assert child.stderr is not None and "Traceback" not in child.stderr.read()

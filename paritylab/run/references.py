@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paritylab.run.config import ConfigError
+
 
 def llava(
     pretrained: str | None = None,
@@ -134,5 +136,17 @@ def _random_init(model_class: Any, config: Any, seed: int, attn_implementation: 
 
 
 def _from_pretrained(model_class: Any, source: str, attn_implementation: str, dtype: str) -> nn.Module:
-    model = model_class.from_pretrained(source, attn_implementation=attn_implementation, dtype=getattr(torch, dtype))
+    """The weights through transformers, which reads safetensors, or a ``.bin`` with ``torch.load(weights_only=
+    True)``: a ``.bin`` that holds code (a pickle that calls something) is refused, and said in one line."""
+    try:
+        model = model_class.from_pretrained(
+            source, attn_implementation=attn_implementation, dtype=getattr(torch, dtype)
+        )
+    except Exception as error:
+        if type(error).__name__ != "UnpicklingError" and "Weights only load failed" not in str(error):
+            raise
+        raise ConfigError(
+            f"model.build.pretrained={source}: a weights file there holds pickled code, not only tensors, and the "
+            "weights-only load refused it; convert it to safetensors where you trust it, or use a safetensors copy"
+        ) from None
     return model.eval()

@@ -147,11 +147,13 @@ def promotable(run: StoredRun) -> tuple[str | None, bool]:
         return f"it is not a paritylab parity run (no {PAIR} / {FINGERPRINT} tags)", False
     if run.status != "FINISHED":
         return f"it did not finish (status {run.status})", False
+    verdict = tags.get("paritylab.verdict", "none")
+    if verdict != "pass":  # the reason a person needs first
+        if not layer_errors(run.metrics):
+            return f"its verdict is {verdict!r}, not 'pass', and it has no per-layer metrics to compare against", False
+        return f"its verdict is {verdict!r}, not 'pass'", True
     if not layer_errors(run.metrics):
         return "it has no per-layer metrics to compare against", False
-    verdict = tags.get("paritylab.verdict", "none")
-    if verdict != "pass":
-        return f"its verdict is {verdict!r}, not 'pass'", True
     return None, False
 
 

@@ -16,6 +16,7 @@ in this process (a notebook, a test session, a sweep), since there is nothing le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -186,8 +187,11 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
         except BaseException as error:  # a bug, a full disk, a forwarded Ctrl-C: the run decides what follows
             reply = {"error": f"{type(error).__name__}: {error}".strip()}
         reply["said"] = said
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+        try:
+            replies.write(json.dumps(reply) + "\n")
+            replies.flush()
+        except (BrokenPipeError, ValueError):  # the run is gone (kill -9): nobody to answer, nothing to say
+            return
 
 
 def main() -> None:
@@ -196,7 +200,8 @@ def main() -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     serve(sys.stdin, replies)
-    replies.flush()
+    with contextlib.suppress(OSError, ValueError):  # a run killed mid-reply closed the pipe
+        replies.flush()
     os._exit(0)  # the interpreter's teardown of MLflow's modules would only delay the run's own exit
 
 
