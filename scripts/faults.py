@@ -9,8 +9,8 @@ temporary directory that is removed afterwards, and is classified:
 - **degraded**: the outcome is safe but not as promised (slow, several lines, a traceback);
 - **broken**: a false PASS, a lost run, a hang, or the wrong exit code.
 
-This is the list of the reliability issue (#15); the test suite covers each fault too, this re-runs them from
-outside the suite.
+This is the list of the reliability issues (#15, #28); the test suite covers each fault too, this re-runs them
+from outside the suite.
 """
 
 from __future__ import annotations
@@ -210,7 +210,130 @@ def output_under_a_file(cwd: Path) -> Outcome:
     return config_fault(f"output_dir={cwd / 'a-file' / 'run'}")(cwd)
 
 
+def _python(cwd: Path, code: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess[str], float]:
+    return run([sys.executable, "-c", code], cwd, timeout)
+
+
+def check_pair(reference: str, candidate: str, expected: str) -> Callable[[Path], Outcome]:
+    """``paritylab.check`` on two of the suite's tiny models (``tests/test_outputs.py``): a wrong model must
+    never PASS, a right one must."""
+
+    def fault(cwd: Path) -> Outcome:
+        code = (
+            "import torch, paritylab\nfrom tests.test_outputs import Model, Preprocessing, IDS\n"
+            "from paritylab.reports.render import headline\n"
+            f"ids = IDS.clone()\nr = paritylab.check({reference}, {candidate}, 'out', reference_call=lambda m: m(ids),"
+            " noise_floor='off')\nprint(r.verdict)\nprint(headline(r.report))\n"
+        )
+        result, _ = _python(cwd, code)
+        lines = result.stdout.strip().splitlines()
+        if result.returncode != 0 or not lines:
+            return "broken", f"exit {result.returncode}: {result.stderr.strip()[-150:]}"
+        verdict = lines[0]
+        detail = lines[-1][:140]
+        if verdict == "pass" and expected != "pass":
+            return "broken", f"a wrong model passed: {detail}"
+        return ("held" if verdict == expected else "degraded"), f"{verdict}: {detail}"
+
+    return fault
+
+
+def same_second_runs(cwd: Path) -> Outcome:
+    """Two runs started at once in one directory (one clean, one wrong), Hydra's default run directory."""
+    base = [sys.executable, "-m", "paritylab", "tracking=off", "compare.replay=false"]
+    wrong = ["candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+             "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2"]  # fmt: skip
+    processes = [subprocess.Popen(c, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for c in (base, base + wrong)]  # fmt: skip
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    codes = [p.returncode for p in processes]
+    directories = sorted(path.parent for path in (cwd / "outputs").glob("*/*/run.json"))
+    if codes != [0, 1] or "PASS:" not in outputs[0]:
+        return "broken", f"exits {codes}; the clean run said {outputs[0].strip().splitlines()[-2:]}"
+    return "held", f"exits {codes}, {len(directories)} directories: {[d.name for d in directories]}"
+
+
+def ctrl_c_in_a_sweep(cwd: Path) -> Outcome:
+    database = cwd / "mlflow.db"
+    command = [sys.executable, "-m", "paritylab", "-m", "compare.replay=false", f"tracking.uri=sqlite:///{database}",
+               f"hydra.sweep.dir={cwd / 'sweep'}",
+               "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
+               "tests.faulty.slow_port"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any((cwd / "sweep").glob("1-*/candidate")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    statuses = sorted(_statuses(database))
+    if process.returncode != 130 or "RUNNING" in statuses:
+        return "broken", f"exit {process.returncode}, MLflow runs {statuses}"
+    if "Traceback" in out + err:
+        return "degraded", f"exit 130 with a traceback; runs {statuses}"
+    return "held", f"exit 130, runs {statuses}: {err.strip().splitlines()[-1][:100]}"
+
+
+def hard_linked_partial(cwd: Path) -> Outcome:
+    """A killed trace whose unfinished shard is a hard link to a file outside: reading it must not write there."""
+    code = (
+        "import sys, time, torch, paritylab\nfrom torch import nn\n"
+        "class Stall(nn.Module):\n    def forward(self, x):\n        open(sys.argv[2], 'w').close()\n"
+        "        time.sleep(60)\n        return x\n"
+        "m = nn.Sequential(nn.Linear(64, 64), Stall())\n"
+        "with paritylab.trace(m, sys.argv[1], save_tensors=True, pending_bytes=0):\n    m(torch.randn(8, 64))\n"
+    )
+    trace, marker = cwd / "killed", cwd / "marker"
+    process = subprocess.Popen([sys.executable, "-c", code, str(trace), str(marker)], env=ENV)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.kill()
+    process.wait(timeout=30)
+    partials = list(trace.glob("*.partial"))
+    if not partials:
+        return "broken", "the harness left no .partial shard"
+    outside = cwd / "precious.bin"
+    os.replace(partials[0], outside)
+    os.link(outside, partials[0])
+    before = outside.read_bytes()
+    result, seconds = compare(cwd, trace, trace)
+    if outside.read_bytes() != before:
+        return "broken", f"the outside file changed ({len(before)} -> {outside.stat().st_size} bytes)"
+    return "held", f"outside file untouched; compare exit {result.returncode} in {seconds:.1f} s"
+
+
+def promote_a_failing_run(cwd: Path) -> Outcome:
+    bug = ["candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+           "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2"]  # fmt: skip
+    app(cwd, *bug, f"tracking.uri=sqlite:///{cwd / 'mlflow.db'}", "compare.replay=false")
+    summary = json.loads((cwd / "run" / "run.json").read_text())
+    result, seconds = run([sys.executable, "-m", "paritylab.cli.promote", summary["run_id"],
+                           "--tracking-uri", f"sqlite:///{cwd / 'mlflow.db'}"], cwd)  # fmt: skip
+    outcome = one_line_exit_2(result, seconds, 30)
+    if outcome[0] == "held" and "verdict is 'fail'" not in result.stderr:
+        return "degraded", f"refused for another reason: {result.stderr.strip()[:110]}"
+    return outcome
+
+
 FAULTS: dict[str, Callable[[Path], Outcome]] = {
+    "only the second output is wrong (a flipped bool mask)": check_pair(
+        "Model('tuple')", "Model('tuple', 'mask')", "fail"
+    ),
+    "a wrong int in a nested dict output": check_pair("Model('dict')", "Model('dict', 'count')", "fail"),
+    "the reference preprocesses its input in place, the candidate lacks the step": check_pair(
+        "Preprocessing('before')", "Preprocessing('')", "fail"
+    ),
+    "the reference zeroes its input after computing (a correct copy)": check_pair(
+        "Preprocessing('after')", "Preprocessing('')", "pass"
+    ),
+    "two runs started in one second in one directory": same_second_runs,
+    "Ctrl-C in a Hydra multirun": ctrl_c_in_a_sweep,
+    "a killed trace's .partial hard-linked to an outside file": hard_linked_partial,
+    "+compare.rtoll=1 (a typo with +)": config_fault("+compare.rtoll=1"),
+    "+devcie=cuda": config_fault("+devcie=cuda"),
+    "candidate=prot": config_fault("candidate=prot"),
+    "promote a failing run": promote_a_failing_run,
     "no tensor values stored (max_bytes=0) on a wrong model": no_values_no_pass,
     "SIGTERM mid-run": sigterm_mid_run,
     "FIFO named *_FULL_TENSORS.json": hostile("fifo"),

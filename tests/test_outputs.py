@@ -195,3 +195,30 @@ def test_a_candidate_that_changes_its_input_before_computing_fails_and_says_so(t
     assert "the candidate changed its input inputs.args.0 in place" in headline(result.report)
     embed = next(row for row in result.report.rows if row.path == "body.embed")
     assert embed.verdict == "fail" and embed.input_verdict == "fail"  # it was fed other ids, and the row says so
+
+
+class Stateful(Body):
+    """Body with a buffer its forward updates in place (a step counter, a running statistic, a cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.steps.add_(1)
+        return super().forward(ids)
+
+
+def test_state_one_side_leaves_behind_is_said(tmp_path):
+    """Outputs agree, but the candidate changes a buffer in place and the reference keeps none: its next
+    forward may differ. The run says so in its headline."""
+    from paritylab.reports.render import headline
+
+    result = check(tmp_path, Body(), Stateful())
+    assert result.report.buffers_changed == {"candidate": ["steps"]}
+    assert "the candidate changed buffers steps in place during its forward, the reference none" in headline(
+        result.report
+    )
+    same = check(tmp_path / "both", Stateful(), Stateful())
+    assert same.report.buffers_changed == {"reference": ["steps"], "candidate": ["steps"]}
+    assert "buffers" not in headline(same.report)

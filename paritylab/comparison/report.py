@@ -214,6 +214,15 @@ class Report:
         }
 
     @property
+    def buffers_changed(self) -> dict[str, list[str]]:
+        """Per side, the buffers its forward changed in place (state later forwards will see)."""
+        return {
+            side: list(meta["buffers_changed"])
+            for side, meta in (("reference", self.reference_meta), ("candidate", self.candidate_meta))
+            if meta.get("buffers_changed")
+        }
+
+    @property
     def output_row(self) -> Row | None:
         """The row of the model's output (the outermost call that was compared)."""
         compared = [row for row in self.rows if row.status in ("compared", "stats-only", "shape-mismatch")]
@@ -260,6 +269,7 @@ class Report:
             "unmatched_candidate": len(self.alignment.unmatched_candidate),
             "first_nonfinite": self.first_nonfinite,
             "inputs_changed": self.inputs_changed,
+            "buffers_changed": self.buffers_changed,
             "errors": self.errors,
         }
 

@@ -46,10 +46,16 @@ def _cells(row: Row) -> list[str]:
 
 def headline(report: Report) -> str:
     """One line: the verdict and where divergence starts (and any input a forward changed in place)."""
-    changed = "; ".join(
+    said = [
         f"the {side} changed its input {', '.join(slots)} in place (each side was fed its own copy)"
         for side, slots in report.inputs_changed.items()
-    )
+    ]
+    buffers = report.buffers_changed
+    if len(buffers) == 1:  # one side leaves state behind that the other does not: later forwards would differ
+        side, names = next(iter(buffers.items()))
+        other = "candidate" if side == "reference" else "reference"
+        said.append(f"the {side} changed buffers {', '.join(names[:3])} in place during its forward, the {other} none")
+    changed = "; ".join(said)
     line = _verdict_line(report)
     return f"{line}; {changed}" if changed and not report.errors else line
 

@@ -125,6 +125,8 @@ class Tracer:
         self._out_seen: list[_Seen] = []
         self._structure: list[dict[str, Any]] | None = None
         self._journal: Journal | None = None
+        self._buffers: dict[str, tuple[torch.Tensor, int | None]] = {}
+        """Every buffer's version before the forward: one changed in place during it is recorded."""
         self._private: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []
         """The root call's inputs: (slot, the caller's tensor, the private copy, the copy's version)."""
         self._inputs_changed: list[str] = []
@@ -149,6 +151,7 @@ class Tracer:
                 journal=True,
             )
             self._journal = Journal(self.directory / CALLS_JOURNAL, {"meta": self._provenance()})
+        self._buffers = {name: (buffer, tensor_version(buffer)) for name, buffer in self.model.named_buffers()}
         try:
             self._register(specs)
         except BaseException:
@@ -432,6 +435,10 @@ class Tracer:
             meta["hook_error"] = self._hook_error
         if self._inputs_changed:
             meta["inputs_changed"] = sorted(set(self._inputs_changed))
+        changed = [name for name, (buffer, version) in self._buffers.items() if tensor_version(buffer) != version]
+        if changed:  # state the forward leaves behind (running statistics, a cache): later forwards see it
+            meta["buffers_changed"] = changed
+        self._buffers = {}
         if self._structure is not None:
             meta["structure"] = self._structure
         return meta
