@@ -258,3 +258,48 @@ def test_a_missing_input_file_fails_before_any_model_is_built(tmp_path):
     result = run(compose(["tracking=off", "inputs=prompts", "inputs.path=nowhere.jsonl"]), tmp_path, echo=said.append)
     expected = 'inputs=prompts needs inputs.path=<a JSONL file of {"prompt": ...} lines>; got ' + repr("nowhere.jsonl")
     assert result.exit_code == 2 and said == [f"paritylab: {expected}"]
+
+
+def _encoder_decoders():
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    tokens = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 3}
+    layers = {"encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+              "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "d_model": 16, "vocab_size": 64}  # fmt: skip
+    return {
+        "whisper": (WhisperForConditionalGeneration, WhisperConfig(num_mel_bins=8, max_source_positions=8,
+                                                                   max_target_positions=16, **layers, **tokens), 3),
+        "t5": (T5ForConditionalGeneration, T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                    num_heads=2), 0),
+        "bart": (BartForConditionalGeneration, BartConfig(max_position_embeddings=32, **layers, **tokens), 3),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["whisper", "t5", "bart"])
+def test_encoder_decoders_get_decoder_inputs_from_their_config(family, tmp_path):
+    """An encoder-decoder's synthetic workload feeds its decoder too: ids that start with the config's decoder
+    start token, and a mask; the model and a copy of it then agree through paritylab's own call."""
+    import copy
+
+    import paritylab
+    from paritylab.run.workload import infer_call, synthetic_inputs
+
+    model_class, config, start = _encoder_decoders()[family]
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    inputs = synthetic_inputs(model, 1, 8, torch.Generator().manual_seed(0))
+    decoder = inputs["decoder_input_ids"]
+    assert decoder.shape == (1, 4) and int(decoder[0, 0]) == start and int(decoder.max()) < 64
+    assert torch.equal(inputs["decoder_attention_mask"], torch.ones_like(decoder))
+    call = infer_call(model, inputs, "model").bind(inputs)
+    result = paritylab.check(model, copy.deepcopy(model), tmp_path, reference_call=call, noise_floor="off")
+    assert result.verdict == "pass", result.report.summary()
+    assert any(row.path.startswith(("model.decoder", "decoder")) and row.status == "compared"
+               for row in result.report.rows)  # fmt: skip

@@ -234,12 +234,34 @@ def synthetic_inputs(model: nn.Module, batch: int, length: int, generator: torch
         inputs["input_ids"] = ids
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones_like(ids)
+    if "decoder_input_ids" in parameters and inputs:  # an encoder-decoder: the decoder's prompt too
+        inputs.update(_decoder_inputs(config, parameters, batch, length, generator))
     if not inputs:
         raise ConfigError(
             f"cannot make synthetic inputs for {type(_unwrap(model)).__name__}.forward({', '.join(parameters)}): "
             "its config has no vocab_size/image_size; give inputs=file with a safetensors file of named tensors"
         )
     return inputs
+
+
+def _decoder_inputs(
+    config: Any, parameters: Mapping[str, inspect.Parameter], batch: int, length: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Decoder token ids for an encoder-decoder (Whisper, T5, BART, vision-encoder-decoder): the config's
+    decoder start token, then seeded tokens from the decoder's vocabulary; an all-ones mask where it is taken."""
+    vocab = _config_value(getattr(config, "decoder", None), "vocab_size") or _config_value(config, "vocab_size")
+    if vocab is None:
+        raise ConfigError("synthetic decoder_input_ids need vocab_size in the model config: pass inputs from a file")
+    start = _config_value(config, "decoder_start_token_id")
+    if start is None:
+        start = _config_value(config, "pad_token_id") or 0
+    steps = max(2, length // 2)
+    ids = torch.randint(0, int(vocab), (batch, steps), generator=generator)
+    ids[:, 0] = int(start)
+    found = {"decoder_input_ids": ids}
+    if "decoder_attention_mask" in parameters:
+        found["decoder_attention_mask"] = torch.ones_like(ids)
+    return found
 
 
 def _config_value(config: Any, name: str) -> Any:
@@ -249,7 +271,7 @@ def _config_value(config: Any, name: str) -> Any:
     value = getattr(config, name, None)
     if value is not None:
         return value
-    for sub in ("text_config", "vision_config", "audio_config", "encoder"):
+    for sub in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
         nested = getattr(config, sub, None)
         if nested is not None and getattr(nested, name, None) is not None:
             return getattr(nested, name)
