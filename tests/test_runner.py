@@ -411,3 +411,23 @@ def test_runs_of_one_pair_reuse_the_baseline_alignment_and_a_lost_pair_is_a_find
     assert (
         fresh.report.alignment.lost == [] and "paritylab.alignment_from" not in client.get_run(fresh.run_id).data.tags
     )
+
+
+def test_a_port_in_bf16_is_one_override_candidate_dtype(tmp_path):
+    """``candidate.dtype=bfloat16`` casts the port (after its weight parity is checked as built): the commonest
+    question, "my port in bf16 against the float32 reference", in one override; a clean port passes within the
+    bf16 noise floor and a 1 % bug in it is named."""
+    clean, _ = run_with(tmp_path, "candidate.dtype=bfloat16")
+    assert clean.exit_code == EXIT_PASS, clean.error
+    assert "candidate cast to bfloat16 (candidate.dtype=bfloat16)" in clean.notes
+    compared = [row for row in clean.report.rows if row.status == "compared" and row.candidate is not None]
+    assert compared and {
+        row.candidate.dtype for row in compared if row.candidate.dtype.startswith(("float", "bfloat"))
+    } == {"bfloat16"}
+    assert any(note.startswith("weight parity: 40 parameters") for note in clean.notes)
+    wrong, _ = run_with(
+        tmp_path, "candidate.dtype=bfloat16", "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+        "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
+    )  # fmt: skip
+    assert wrong.exit_code == EXIT_FAIL
+    assert wrong.report.first_divergence.path == "model.language_model.layers.1.mlp.down_proj"

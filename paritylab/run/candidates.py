@@ -36,7 +36,7 @@ def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candi
     """The candidate described by ``cfg`` (the ``candidate`` config group) for this reference."""
     kind = str(cfg.kind)  # config enums are StrEnums: str() is the value
     if kind == "port":
-        return _port(cfg, family, reference)
+        return _cast(_port(cfg, family, reference), cfg.dtype)
     if kind == "dtype":
         dtype = getattr(torch, str(cfg.dtype))
         return Candidate(converted_copy(reference, dtype), cast_of=dtype)
@@ -50,6 +50,17 @@ def build_candidate(cfg: DictConfig, family: str, reference: nn.Module) -> Candi
     candidate = Candidate(model, rules)
     if cfg.weight_map:
         candidate.weights = weight_parity(model, reference, load_weight_map(resolve_path(cfg.weight_map)))
+    return _cast(candidate, cfg.dtype)
+
+
+def _cast(candidate: Candidate, dtype: Any) -> Candidate:
+    """A port or a built candidate in ``candidate.dtype`` (``null``: as built): "my port in bf16 against the
+    float32 reference". Weight parity was checked before the cast, on the weights as built."""
+    if dtype is None:
+        return candidate
+    name = str(dtype)
+    candidate.model = candidate.model.to(getattr(torch, name))
+    candidate.notes.append(f"candidate cast to {name} (candidate.dtype={name})")
     return candidate
 
 
