@@ -459,7 +459,39 @@ def _compare_pair(
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
             memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
         )
+        for other_ref, other_cand in _inputs_by_dataflow(ref_input_call, cand_input_call, ref_in, partner):
+            _, verdict, metrics, _ = _judge_once(
+                memo, reference, candidate, other_ref, other_cand, None, None, row.tolerance
+            )
+            worse = (relative_error(metrics) or 0.0) > (relative_error(row.input_metrics) or 0.0)
+            if verdict == "fail" and (row.input_verdict != "fail" or worse):
+                row.input_verdict, row.input_metrics = verdict, metrics  # the input that agrees least speaks
     return row
+
+
+def _inputs_by_dataflow(
+    ref_call: CallRecord, cand_call: CallRecord, primary: Node, partner: Mapping[int, int]
+) -> Iterator[tuple[Node, Node]]:
+    """The call's other floating-point inputs whose counterparts are known by data flow: the k-th input the
+    reference received from call P against the k-th the candidate received from P's partner (a cross-attention's
+    encoder states beside its own hidden states; a rotary module's cos and sin, in order), so "its input agrees"
+    means every such input agrees, whatever the order of arguments."""
+
+    def by_producer(call: CallRecord) -> dict[int, list[Node]]:
+        made: dict[int, list[Node]] = {}
+        for _, node in iter_tensors(call.inputs, "inputs"):
+            if isinstance(node.get("from"), int) and str(node.get("dtype", "")).startswith(("float", "bfloat")):
+                made.setdefault(node["from"], []).append(node)
+        return made
+
+    theirs = by_producer(cand_call)
+    for origin, nodes in by_producer(ref_call).items():
+        others = theirs.get(partner.get(origin, -1), [])
+        if len(others) != len(nodes):
+            continue  # the two sides take a different number of its outputs: which is which is not known
+        for node, other in zip(nodes, others, strict=True):
+            if node is not primary and other.get("shape") == node.get("shape"):
+                yield node, other
 
 
 def _dataflow_slots(

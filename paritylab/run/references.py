@@ -136,8 +136,8 @@ def _random_init(model_class: Any, config: Any, seed: int, attn_implementation: 
 
 
 def _from_pretrained(model_class: Any, source: str, attn_implementation: str, dtype: str) -> nn.Module:
-    """The weights through transformers, which reads safetensors, or a ``.bin`` with ``torch.load(weights_only=
-    True)``: a ``.bin`` that holds code (a pickle that calls something) is refused, and said in one line."""
+    """The weights through transformers, which reads safetensors, or a ``.bin`` with a weights-only ``torch.load``:
+    a ``.bin`` that holds code (a pickle that calls something) is refused, and said in one line."""
     try:
         model = model_class.from_pretrained(
             source, attn_implementation=attn_implementation, dtype=getattr(torch, dtype)
