@@ -98,6 +98,9 @@ def test_a_wrong_output_beside_the_first_fails_the_run_at_the_model(tmp_path, ki
     assert failed.reference == slot and failed.candidate == slot
     assert f"{slot} differs" in root.note
     assert result.report.first_divergence is root  # the module whose own code made the difference
+    from paritylab.reports.render import headline
+
+    assert f"divergence starts at <root> ({slot} differs (" in headline(result.report)  # not "own error 0"
     body_rows = [row for row in result.report.rows if row.path.startswith("body")]
     assert body_rows and all(row.verdict == "pass" for row in body_rows)
 

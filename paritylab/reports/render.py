@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+from paritylab.comparison.metrics import within
 from paritylab.comparison.report import Report, Row
 from paritylab.tracing.tracefile import display_path, json_safe, printable
 
@@ -99,6 +100,9 @@ def _verdict_line(report: Report) -> str:
     error = f"own error {fmt(own)}" if own is not None else f"rel_l2 {fmt(first.rel_l2 if first else None)}"
     if first is not None and first.local.get("lifted_diverged"):  # found where the precision's rounding is gone
         error = f"own error {fmt(first.local.get('lifted_rel_l2'))} in float32"
+    failed_output = next((check for check in (first.outputs if first else []) if check.verdict == "fail"), None)
+    if failed_output is not None and first is not None and first.metrics and within(first.metrics):
+        error = failed_output.describe()  # its compared output agrees: say which output does not
     why = f": {report.culprit_reason}" if report.culprit_reason else ""
     return (
         f"FAIL: divergence starts at {where} ({error}){why}; "
