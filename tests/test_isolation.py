@@ -185,3 +185,36 @@ def test_a_pretrained_bin_that_holds_code_is_refused_in_one_line(tmp_path, capsy
         "safetensors copy"
     ]
     assert all("\n" not in line for line in lines)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_mid_run_is_one_line_and_an_error_in_mlflow(tmp_path):
+    """A real full disk (a 400 kB tmpfs) while the reference is traced: one error line that says what to do, exit
+    2, the MLflow run FAILED with verdict ``error`` (never left ``running``), no half-written JSON left behind."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a real full disk needs a small tmpfs, and mounting one here failed: {mounted.stderr!r}")
+    try:
+        store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        result = subprocess.run(
+            [sys.executable, "-m", "paritylab", f"tracking.uri={store}", "compare.replay=false",
+             f"hydra.run.dir={small / 'run'}"],
+            cwd=small, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+        )  # fmt: skip
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if "No space" in line or "full" in line]
+        assert errors == [
+            f"paritylab: error: the disk is full (no space left on device) under {small / 'run'}: free space or set "
+            "output_dir elsewhere, then run again; what was written is kept"
+        ]
+        assert "Traceback" not in result.stderr
+        assert not list((small / "run").rglob("*.json.partial"))
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(store)
+        (run_info,) = client.search_runs([client.get_experiment_by_name("paritylab").experiment_id])
+        assert run_info.info.status == "FAILED" and run_info.data.tags["paritylab.verdict"] == "error"
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

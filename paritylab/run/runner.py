@@ -57,6 +57,7 @@ from paritylab.sink.publish import RunRecord, upload_tensors
 from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import Metric, TrackingError, flatten
 from paritylab.sink.worker import connect
+from paritylab.tracing.files import no_space
 from paritylab.tracing.tracefile import Trace, display_path, printable, write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 
@@ -121,6 +122,8 @@ class _Session:
         self.started = time.perf_counter()
         self.regression: Regression | None = None
         self.sweep = sweep_state()
+        self._disk_full: str | None = None
+        """The one line said when the disk filled up (later writes that fail for the same reason stay quiet)."""
         self.timings: dict[str, float] = {}
         """Seconds per phase, in order. A run from the command line starts with ``interpreter`` (process start to
         paritylab's import: Python and whatever the environment loads first) and ``imports`` (from there to the
@@ -157,6 +160,11 @@ class _Session:
             self.echo(f"paritylab: {error}")
         except Exception as failure:  # a forward or a build raised: keep and log everything produced
             status, code, error = "FAILED", EXIT_ERROR, f"{type(failure).__name__}: {failure}"
+            if no_space(failure):  # one line that says what to do; the later writes that fail too say nothing more
+                error = self._disk_full = (
+                    f"the disk is full (no space left on device) under {self.directory}: free space or set "
+                    "output_dir elsewhere, then run again; what was written is kept"
+                )
             self.echo(f"paritylab: error: {error}")
         if self.report is not None and self.report.errors:
             status, code = "FAILED", EXIT_ERROR
@@ -174,7 +182,8 @@ class _Session:
                 status, code, error = "KILLED", EXIT_INTERRUPTED, error or "interrupted while publishing"
         except Exception as failure:  # a full disk, a bug: what is on disk stays; the MLflow run is not left RUNNING
             self.tracking_error = f"publishing failed: {type(failure).__name__}: {failure}"
-            self.echo(f"paritylab: {self.tracking_error}")
+            if not (self._disk_full and no_space(failure)):
+                self.echo(f"paritylab: {self.tracking_error}")
             with suppress(Exception):
                 self.connection.end("FAILED")
         if self.tracking_error and code in (EXIT_PASS, EXIT_FAIL):
@@ -187,7 +196,8 @@ class _Session:
             try:
                 self._write_run_summary(status, code, error)
             except OSError as failure:  # a full disk: say so in one line; the exit code still tells
-                self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
+                if not (self._disk_full and no_space(failure)):
+                    self.echo(f"paritylab: could not write {self.directory / 'run.json'}: {failure}")
                 code = code if code != EXIT_PASS else EXIT_ERROR
         run_id = self._run_id()
         self.connection.close()

@@ -8,6 +8,7 @@ is the connection of a run without tracking: it opens nothing and publishes noth
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from paritylab.sink.history import Regression, baseline_alignment
 from paritylab.sink.publish import RunRecord, publish
-from paritylab.sink.tracking import MlflowTracker
+from paritylab.sink.tracking import MlflowTracker, TrackingError
 
 
 @dataclass
@@ -97,4 +98,8 @@ class InlineConnection(Connection):
         return publish(self.tracker, RunRecord.load(directory), directory)
 
     def end(self, status: str) -> None:
+        """End the run unpublished; its verdict tag (``running`` since it opened) says why: ``error`` for a
+        FAILED run (a forward raised, a full disk), ``interrupted`` for a KILLED one."""
+        with contextlib.suppress(TrackingError):  # the status matters more than the tag
+            self.tracker.set_tags({"paritylab.verdict": "interrupted" if status == "KILLED" else "error"})
         self.tracker.end(status)

@@ -3,6 +3,7 @@ regular files, and the names of marker files. MLflow's child process publishes a
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -42,8 +43,12 @@ def write_json(path: Path, document: Any, indent: int | None = None) -> None:
     except ValueError:  # a non-finite float somewhere: spell it as a string
         text = json.dumps(json_safe(document), separators=separators, indent=indent, allow_nan=False)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:  # a full disk: leave no half-written file behind (the old one, if any, stays whole)
+        partial.unlink(missing_ok=True)
+        raise
 
 
 MAX_ENTRIES = 100_000
@@ -72,3 +77,8 @@ def check_directory(path: Path, kind: str = "trace") -> None:
                     raise TraceFormatError(
                         f"{path}: {where} is not a regular file (a FIFO, socket or device); remove it and retry"
                     )
+
+
+def no_space(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk (or a full quota): a fault of the place, not of the run."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
