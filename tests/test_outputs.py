@@ -225,3 +225,39 @@ def test_state_one_side_leaves_behind_is_said(tmp_path):
     same = check(tmp_path / "both", Stateful(), Stateful())
     assert same.report.buffers_changed == {"reference": ["steps"], "candidate": ["steps"]}
     assert "buffers" not in headline(same.report)
+
+
+class Counter(nn.Module):
+    """A module that returns no tensor: how many ids are above a threshold (``off`` by one when faulty)."""
+
+    def __init__(self, off: int = 0) -> None:
+        super().__init__()
+        self.scale = nn.Linear(1, 1)  # a weight, so that it is aligned
+        self.off = off
+
+    def forward(self, ids: torch.Tensor) -> int:
+        return int((ids > 7).sum()) + self.off
+
+
+class Counting(nn.Module):
+    def __init__(self, off: int = 0) -> None:
+        super().__init__()
+        self.body, self.counter = Body(), Counter(off)
+        torch.manual_seed(1)
+        self.counter.scale.reset_parameters()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.body(ids)
+        return logits * self.counter(ids)
+
+
+def test_a_module_that_returns_no_tensor_is_judged_on_its_values(tmp_path):
+    """An aligned module whose output is an int: its value is compared (the wrong count fails there)."""
+    clean = check(tmp_path / "clean", Counting(), Counting())
+    counter = next(row for row in clean.report.rows if row.path == "counter")
+    assert clean.verdict == "pass" and [check.verdict for check in counter.outputs] == ["pass"]
+    wrong = check(tmp_path / "wrong", Counting(), Counting(off=1))
+    assert wrong.verdict == "fail"
+    counter = next(row for row in wrong.report.rows if row.path == "counter")
+    assert counter.verdict == "fail" and counter.outputs[0].note == "3 vs 4"
+    assert wrong.report.first_divergence is counter

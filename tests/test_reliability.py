@@ -254,7 +254,7 @@ def test_a_signal_or_a_full_disk_at_every_phase_closes_the_run_and_keeps_what_wa
     result = run(compose([*overrides, "tracking.process=inline"]), tmp_path / "run", echo=said.append)
     assert result.exit_code == (130 if kind == "sigterm" else 2), said
     assert not any("Traceback" in line for line in said)
-    messages = [line for line in said if "interrupted" in line or "No space left" in line]
+    messages = [line for line in said if "interrupted" in line or "No space left" in line or "disk is full" in line]
     assert messages and all("\n" not in line for line in messages)  # the fault in one line (and the report's)
     assert messages[-1].startswith("paritylab: ")
     (status,) = [r.info.status for r in MlflowClient(uri).search_runs(["0", *_experiments(uri)])]

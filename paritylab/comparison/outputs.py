@@ -92,19 +92,22 @@ def check_outputs(
     covered_by: Callable[[Node], str | None],
     *,
     root: bool,
+    by_position: bool | None = None,
 ) -> list[OutputCheck]:
     """The checks of every output leaf of ``ref_call``/``cand_call`` beside the ``primary`` slots.
 
     ``partner`` maps reference call indices to their candidate counterparts (data flow); ``covered_by`` says
-    which compared row already judged a reference tensor (its module's path), or ``None``.
+    which compared row already judged a reference tensor (its module's path), or ``None``. ``by_position``
+    (default: ``root``) also pairs leaves at the same tuple position.
     """
+    positional = root if by_position is None else by_position
     ref_leaves = [(slot, node) for slot, node in leaves(ref_call.outputs, "outputs") if slot != primary[0]]
     cand_left = {slot: node for slot, node in leaves(cand_call.outputs, "outputs") if slot != primary[1]}
     made_by = {node["from"]: slot for slot, node in cand_left.items() if isinstance(node.get("from"), int)}
     checks: list[OutputCheck] = []
     unpaired: list[tuple[str, Node]] = []
     for slot, node in ref_leaves:
-        target, how = _counterpart(slot, node, cand_left, made_by, partner, root)
+        target, how = _counterpart(slot, node, cand_left, made_by, partner, positional)
         if target is not None:
             checks.append(_judged(slot, node, target, cand_left.pop(target), how, judge))
         elif root:
@@ -129,7 +132,7 @@ def _counterpart(
     cand: Mapping[str, Node],
     made_by: Mapping[int, str],
     partner: Mapping[int, int],
-    root: bool,
+    positional: bool,
 ) -> tuple[str | None, str]:
     origin = node.get("from")
     if isinstance(origin, int) and origin in partner and made_by.get(partner[origin]) in cand:
@@ -142,7 +145,7 @@ def _counterpart(
     named = any(not part.lstrip("-").isdigit() for part in slot.split(".")[1:])
     if named:
         return slot, "same key"
-    return (slot, "same position") if root else (None, "")
+    return (slot, "same position") if positional else (None, "")
 
 
 def _judged(slot: str, node: Node, target: str, other: Node, how: str, judge: Judge) -> OutputCheck:

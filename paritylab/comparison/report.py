@@ -334,7 +334,12 @@ def compare_traces(
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         rows.append(row)
-        if pair.reference_index is None and pair.candidate_index is None and row.status in ("compared", "stats-only"):
+        nothing_else = row.status == "missing" and row.note.startswith("no output tensor")  # ints, bools only
+        if (
+            pair.reference_index is None
+            and pair.candidate_index is None
+            and (row.status in ("compared", "stats-only") or nothing_else)
+        ):
             whole.append((row, call, other))
     _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner)
     _infer_inputs(rows, reference)
@@ -391,8 +396,9 @@ def _check_other_outputs(
 
         root = call.parent is None
         row.outputs = check_outputs(
-            call, other, (row.reference.slot, row.candidate.slot), judge, partner, covered_by, root=root
-        )
+            call, other, (row.reference.slot, row.candidate.slot), judge, partner, covered_by, root=root,
+            by_position=root or row.reference.slot is None,  # a call that returns no tensor: its values by place
+        )  # fmt: skip
         telling = [check for check in row.outputs if check.verdict in ("fail", NOT_COMPARED)]
         if any(check.verdict == "fail" for check in telling):
             row.verdict, row.diverged = "fail", True
