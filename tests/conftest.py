@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# Everything the suite and its subprocesses put in the temporary directory (MLflow's db_init_lock-* files, a
+# library's scratch) goes into one folder of this process's, removed at the end: /tmp is left as it was.
+_SCRATCH = tempfile.mkdtemp(prefix="paritylab-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = _SCRATCH
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
+
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: one thread each (subprocesses inherit it)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
