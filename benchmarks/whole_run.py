@@ -64,9 +64,7 @@ def measure(rounds: int = 3, quick: bool = False) -> dict[str, dict[str, float]]
                 "floor_s": statistics.median(measured["floor"]),
                 "paritylab_s": statistics.median(measured["paritylab"]),
                 "ratio": statistics.median(ratios),
-                "before_build_s": sum(
-                    phases[candidate].get(phase, 0.0) for phase in ("interpreter", "imports", "tracking start")
-                ),
+                "before_build_s": sum(phases[candidate].get(phase, 0.0) for phase in ("imports", "tracking start")),
                 **{f"phase: {phase}": value for phase, value in phases[candidate].items()},
             }
     finally:

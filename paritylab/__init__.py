@@ -6,15 +6,17 @@ import torch, transformers and the whole pipeline before it needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import time
 
-from paritylab.sink.processes import process_age
+IMPORTED_AT = time.perf_counter()
+"""When paritylab was first imported: a run from the command line times its start-up (``imports``) from here.
+Not from the process's start: ``bash -c "pip install ... && python -m paritylab"`` runs the last command in the
+shell's own process, whose start was the whole chain's (a first run once read 98.8 s of start-up that way)."""
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 __version__ = "0.1.0"
-IMPORTED_AT_AGE = process_age()
-"""How old the process was when paritylab was first imported: the interpreter's own start-up and whatever ran
-before (the ``interpreter`` timing of a run from the command line; the rest of its start-up is ``imports``)."""
 FROM_COMMAND_LINE = False
 """Set by the ``paritylab`` command: only then is the process's start the run's start."""
 _PUBLIC = {

@@ -52,7 +52,6 @@ from paritylab.sink.connection import Connection, Opening
 from paritylab.sink.dashboard import final_tags, report_metrics, run_verdict, write_key_map
 from paritylab.sink.history import FINGERPRINT, Regression
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, signals_ignored, sigterm_as_interrupt
-from paritylab.sink.processes import process_age
 from paritylab.sink.publish import RunRecord, upload_tensors
 from paritylab.sink.sweep import sweep_state
 from paritylab.sink.tracking import Metric, TrackingError, flatten
@@ -125,10 +124,9 @@ class _Session:
         self._disk_full: str | None = None
         """The one line said when the disk filled up (later writes that fail for the same reason stay quiet)."""
         self.timings: dict[str, float] = {}
-        """Seconds per phase, in order. A run from the command line starts with ``interpreter`` (process start to
-        paritylab's import: Python and whatever the environment loads first) and ``imports`` (from there to the
-        run's start: torch, Hydra, the configuration); a run in a longer-lived process (a sweep, a notebook) has
-        neither."""
+        """Seconds per phase, in order. A run from the command line starts with ``imports`` (paritylab's first
+        import to the run's start: torch, Hydra, the configuration); a run in a longer-lived process (a sweep, a
+        notebook) has none."""
         if not self.sweep:
             self.timings.update(start_up_phases())
         self._clock = time.perf_counter()
@@ -658,13 +656,13 @@ def claim_directory(directory: Path) -> None:
 
 
 def start_up_phases() -> dict[str, float]:
-    """``interpreter`` and ``imports`` seconds (see :attr:`_Session.timings`); empty where ``/proc`` is not."""
+    """``imports`` seconds (see :attr:`_Session.timings`): from paritylab's first import to the run's start, for a
+    run from the command line (the interpreter's own start, some 30 ms, comes before and is not counted)."""
     import paritylab
 
-    at_import, now = paritylab.IMPORTED_AT_AGE, process_age()
-    if not paritylab.FROM_COMMAND_LINE or at_import is None or now is None:
+    if not paritylab.FROM_COMMAND_LINE:
         return {}
-    return {"interpreter": at_import, "imports": max(now - at_import, 0.0)}
+    return {"imports": time.perf_counter() - paritylab.IMPORTED_AT}
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:

@@ -36,16 +36,6 @@ def owner_tags() -> dict[str, str]:
     }
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux ``/proc``, the boot clock on both sides); None elsewhere."""
-    try:
-        started = int(process_start(os.getpid()) or "")
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def owner_gone(tags: Mapping[str, str], start_ms: int) -> bool:
     """Whether the process that started a run (its ``paritylab.host``/``pid``/``process_start`` tags) is gone."""
     pid = int(tags.get("paritylab.pid", "0") or 0)
