@@ -65,6 +65,9 @@ class Value:
     """Candidate side: relative L2 distance to the nearest reference value of its size."""
     layout: bool = False
     """Matched only with its elements in another order (a transpose, a head split)."""
+    parts: list[int] = field(default_factory=list)
+    """Candidate side, for a parameter or buffer matching no reference value whole: the reference values whose rows
+    it holds (a fused qkv weight is q, k and v stacked; a separate q projection is part of a fused one)."""
 
 
 @dataclass
@@ -177,6 +180,7 @@ def drill_down(
     notes += [f"{side.key} was never called" for side in (reference, candidate) if not side.called]
     layout_free = tolerance <= _TOLERANCE["float32"][1]
     equals = _match(reference, candidate, tolerance, layout_free)
+    _stacked(reference, candidate, tolerance)
     value = _frontier(candidate)
     if value is None:
         message = (
@@ -532,6 +536,107 @@ def _match(reference: Recording, candidate: Recording, tolerance: float, layout_
     return equals
 
 
+def _stacked(reference: Recording, candidate: Recording, tolerance: float) -> None:
+    """Set :attr:`Value.parts` of each candidate parameter or buffer that matches no reference value whole but
+    whose rows (or columns) are rows of reference parameters and buffers: a fused projection's weight and bias
+    (``in_proj_weight``: q, k and v stacked) against separate ones, or a separate one against part of a fused one.
+    Rows are located by the hashes that parameter fingerprints and the alignment's fused-row matching use (the
+    sum of each row's element hashes, :func:`paritylab.tracing.structure.element_hashes`); what they locate is then
+    compared as values, within ``tolerance``."""
+    indexes: dict[tuple[torch.dtype, int], _Rows] = {}
+    for value, tensor in _held(candidate):
+        if value.match is not None or tensor.dim() not in (1, 2):
+            continue
+        grid = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
+        if (grid, tensor.dim()) not in indexes:
+            indexes[(grid, tensor.dim())] = _Rows(reference, grid, tensor.dim())
+        for axis, hashes in enumerate(_row_hashes(tensor, grid)):
+            located = indexes[(grid, tensor.dim())].assemble(tensor.movedim(axis, 0), hashes, tolerance)
+            if located is not None:
+                value.parts, value.distance = located
+                break
+
+
+class _Rows:
+    """The row hashes of a recording's ``dim``-D parameters and buffers along each axis (a 1-D value's rows are
+    its elements), and where each hash occurs."""
+
+    def __init__(self, recording: Recording, grid: torch.dtype, dim: int) -> None:
+        self.recording = recording
+        self.hashes: dict[tuple[int, int], list[int]] = {}
+        self.where: dict[int, list[tuple[int, int, int]]] = {}
+        for value, tensor in _held(recording):
+            if tensor.dim() == dim:
+                for axis, hashes in enumerate(_row_hashes(tensor, grid)):
+                    self.hashes[(value.index, axis)] = hashes
+                    for position, digest in enumerate(hashes):
+                        self.where.setdefault(digest, []).append((value.index, axis, position))
+
+    def row(self, value: int, axis: int, position: int) -> torch.Tensor:
+        tensor = self.recording.tensors[value]
+        assert tensor is not None
+        return tensor.select(axis, position) if tensor.dim() == 2 else tensor[position]
+
+    def assemble(self, rows: torch.Tensor, hashes: list[int], tolerance: float) -> tuple[list[int], float] | None:
+        """The reference values whose rows, in order, make ``rows`` (``rows[i]`` hashing to ``hashes[i]``), and
+        the distance between the two; ``None`` when a row is found nowhere or what is found differs as values. The
+        row continuing the previous one's value is taken when its hash fits, else the first equal in value."""
+        picked: list[tuple[int, int, int]] = []
+        for number, digest in enumerate(hashes):
+            if picked:
+                value, axis, position = picked[-1]
+                following = self.hashes[(value, axis)]
+                if position + 1 < len(following) and following[position + 1] == digest:
+                    picked.append((value, axis, position + 1))
+                    continue
+            wanted = rows[number]
+            found = next(
+                (
+                    at
+                    for at in self.where.get(digest, ())
+                    if self.row(*at).numel() == wanted.numel() and _distance(wanted, self.row(*at)) <= tolerance
+                ),
+                None,
+            )
+            if found is None:
+                return None
+            picked.append(found)
+        distance = _distance(rows, torch.stack([self.row(*at) for at in picked]).to(rows.dtype))
+        return (list(dict.fromkeys(at[0] for at in picked)), distance) if distance <= tolerance else None
+
+
+def _held(recording: Recording) -> Iterator[tuple[Value, torch.Tensor]]:
+    """The recording's floating-point parameters and buffers, with their tensors."""
+    for value, tensor in zip(recording.values, recording.tensors, strict=True):
+        held = value.op is None and value.origin.startswith(("parameter ", "buffer "))
+        if held and tensor is not None and tensor.numel() and tensor.is_floating_point():
+            yield value, tensor
+
+
+def _row_hashes(tensor: torch.Tensor, dtype: torch.dtype) -> list[list[int]]:
+    """Per axis of a 2-D tensor, the hash of each row along it (a 1-D tensor: of each element), on the grid of
+    ``dtype`` (values rounded to float16 first for a float16 side, as :mod:`paritylab.tracing.structure` does)."""
+    from paritylab.tracing.structure import element_hashes
+
+    values = tensor.detach()
+    if dtype == torch.float16:
+        values = values.to(torch.float16)
+    hashed = element_hashes(values)
+    if hashed.dim() == 1:
+        return [hashed.tolist()]
+    return [hashed.sum(dim=1, dtype=torch.int64).tolist(), hashed.sum(dim=0, dtype=torch.int64).tolist()]
+
+
+def _distance(value: torch.Tensor, other: torch.Tensor) -> float:
+    data, _ = _flat(value)
+    theirs, other_norm = _flat(other)
+    return (
+        float(torch.linalg.vector_norm(data - theirs)) / max(other_norm, 1e-30)
+        if data.numel() == theirs.numel()
+        else math.inf
+    )
+
+
 def _consumers(recording: Recording) -> dict[int, list[Op]]:
     consumers: dict[int, list[Op]] = {}
     for op in recording.ops:
@@ -566,6 +671,7 @@ def _clean(recording: Recording) -> list[bool]:
         value.origin.startswith(("input ", "forced "))
         or recording.tensors[value.index] is None
         or value.match is not None
+        or bool(value.parts)
         or recovers[value.index]
         or _integral(value)
         for value in values
