@@ -124,6 +124,7 @@ def test_recovering_a_killed_trace_never_writes_through_a_link_to_an_outside_fil
             "bf16, compiled, eager, port, sdpa",
         ),
         (["-m", "compare.rtol=1e-3", "+compare.atoll=1,2"], "compare.atoll is not a paritylab setting (did you mean"),
+        (["+compare.modules={'[': {rtol: 1e-3}}"], "no viable alternative at input"),  # Hydra cannot parse it
     ],
 )
 def test_an_unknown_key_or_choice_is_refused_in_one_line_with_what_was_meant(overrides, message, capsys):

@@ -69,7 +69,12 @@ def preflight(argv: list[str]) -> None:
     from paritylab.run.overrides import additions, check_additions, explain, group_choices
 
     groups = group_choices([CONF_DIR, *([Path(config_dir)] if config_dir else [])])
-    for variant in _expansions(overrides):
+    try:
+        variants = _expansions(overrides)
+    except Exception as error:  # an override Hydra cannot parse
+        print(f"paritylab: bad configuration: {one_line(error)}", file=sys.stderr)
+        sys.exit(2)
+    for variant in variants:
         try:
             check_complete(compose(variant, config_dir, config_name))
             added = additions(variant, groups)
