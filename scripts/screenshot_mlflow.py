@@ -1,13 +1,15 @@
-"""Take the screenshots in docs/mlflow.md: paritylab runs in a real MLflow server's UI, via headless Chromium.
+"""Take the screenshots in docs/mlflow.md: paritylab runs in a real MLflow server's UI, as a person first sees
+them: headless Chromium with a fresh profile, each page loaded by its address, nothing clicked or set up.
 
-    apt-get install -y chromium    # Debian's package (Playwright's own browser download does not work here)
-    pip install playwright         # the Python client only; it drives the Debian chromium above
+    apt-get install -y chromium    # Debian's package
     python scripts/screenshot_mlflow.py [--output docs/]
 
 In a scratch directory it starts ``mlflow server`` on 127.0.0.1 and logs to it, over HTTP: a passing run
 (the port), a failing one (the port with one projection scaled by 1.05), a sweep (bf16 and sdpa), and three
-scheduled nights of one pair (``tracking.trend=true``). Then it screenshots a failing run's depth charts,
-the runs list, the trend run's charts and its layer × night heatmap, and removes the scratch directory.
+scheduled nights of one pair (``tracking.trend=true``), the third with one projection scaled by 1.0001 in the
+candidate's code (within tolerance: it passes, and regresses against the nights before). Then it screenshots
+the experiment as it opens, the runs list its description links to, a failing run's charts, the trend run's
+charts and its layer × night heatmap, and removes the scratch directory.
 """
 
 from __future__ import annotations
@@ -22,18 +24,25 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
 ]  # fmt: skip
 FAULTY = [
     "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
     "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
     "+candidate.ports.llava.build.scale=1.05",
 ]
+NIGHTLY = """from tests.faulty import scaled_port
+
+
+def build(reference):
+    return scaled_port(reference, module="llm.layers.1.feed_forward.w2", scale={scale})
+"""
+"""Tonight's candidate code: the configuration stays (one pair, one trend run), the code changes. Scaled by
+1.0001 the port is within tolerance (the run passes), but layer 1's error grows far past the nights before."""
 
 
 def main() -> int:
@@ -51,91 +60,75 @@ def main() -> int:
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{scratch / 'server.db'}", "--artifacts-destination", str(scratch / "art")],
         cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(scratch)},  # MLflow's db_init_lock files: removed with the scratch
     )  # fmt: skip
     try:
         _wait(f"{uri}/health")
         _paritylab(scratch, uri, "candidate=port")
         _paritylab(scratch, uri, "candidate=port", *FAULTY)
         _paritylab(scratch, uri, "-m", "candidate=bf16,sdpa", "compare.replay=false")
-        for _ in range(3):
-            _paritylab(scratch, uri, "candidate=port", "tracking.trend=true", "inputs.seed=1")
+        for scale in ("1.0", "1.0", "1.0001"):
+            (scratch / "nightly_port.py").write_text(NIGHTLY.format(scale=scale))
+            _paritylab(scratch, uri, "candidate=port", "candidate.ports.llava.build._target_=nightly_port.build",
+                       "tracking.trend=true", "inputs.seed=1", "compare.replay=false")  # fmt: skip
         from mlflow.tracking import MlflowClient
+
+        from paritylab.sink.tracking import runs_link
 
         client = MlflowClient(uri)
         experiment = client.get_experiment_by_name("paritylab").experiment_id
         runs = client.search_runs([experiment], max_results=100)
-        failing = next(r for r in runs if r.data.tags.get("paritylab.verdict") == "fail")
+        failing = next(
+            r
+            for r in runs
+            if r.data.tags.get("paritylab.verdict") == "fail"
+            and r.data.tags.get("paritylab.candidate") == "port"
+            and "paritylab.trend_step" not in r.data.tags
+        )
         trend = next(r for r in runs if r.data.tags.get("paritylab.trend") == "true")
         args.output.mkdir(parents=True, exist_ok=True)
         base = f"{uri}/#/experiments/{experiment}"
+        view = "?workflowType=machine_learning"  # the model-training view, as the description's link opens
         shots = [
-            (f"{base}/runs/{failing.info.run_id}/model-metrics", "depth/", "mlflow_depth.png"),
-            (f"{base}/runs", None, "mlflow_runs.png"),
-            (f"{base}/runs/{trend.info.run_id}/model-metrics", "nightly/", "mlflow_trend.png"),
-            (f"{base}/runs/{trend.info.run_id}/artifacts", "trend_heatmap.svg", "mlflow_trend_heatmap.png"),
+            (base, "mlflow_landing.png"),  # where the experiment opens: MLflow 3.17's GenAI overview
+            (f"{uri}/{runs_link(experiment)}", "mlflow_runs.png"),  # the description's link: paritylab's view
+            (f"{base}/runs/{failing.info.run_id}/model-metrics{view}", "mlflow_depth.png"),
+            (f"{base}/runs/{trend.info.run_id}/model-metrics{view}", "mlflow_trend.png"),
+            (f"{base}/runs/{trend.info.run_id}/artifacts/trend_heatmap.svg{view}", "mlflow_trend_heatmap.png"),
         ]
-        shoot(args.chromium, shots, args.output)
+        for url, name in shots:
+            render(args.chromium, url)  # once to warm the server up: charts drawn the first time may still load
+            render(args.chromium, url, screenshot=args.output / name)
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"wrote {', '.join(name for *_, name in shots)} to {args.output}")
+    print(f"wrote {', '.join(name for _, name in shots)} to {args.output}")
     return 0
 
 
+def render(
+    chromium: str, url: str, screenshot: Path | None = None, size: tuple[int, int] = (1900, 1000), wait_ms: int = 15000
+) -> str:
+    """Load ``url`` in headless Chromium with a fresh profile (no view MLflow remembers), let its scripts run
+    for ``wait_ms`` of virtual time, and return the page as rendered (``--dump-dom``), or write a PNG of it to
+    ``screenshot`` (then the return value is empty)."""
+    with tempfile.TemporaryDirectory(prefix="paritylab-chromium-") as profile:
+        action = [f"--screenshot={screenshot}"] if screenshot is not None else ["--dump-dom"]
+        command = [
+            chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
+            f"--virtual-time-budget={wait_ms}", *action, url,
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    return "" if screenshot is not None else result.stdout
+
+
 def _paritylab(scratch: Path, uri: str, *overrides: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPOSITORY), str(scratch))), "TMPDIR": str(scratch)}
     command = [sys.executable, "-m", "paritylab", *overrides, f"tracking.uri={uri}"]
     result = subprocess.run(command, cwd=scratch, capture_output=True, text=True, env=env)
     if result.returncode not in (0, 1):
         raise RuntimeError(f"{' '.join(overrides)}: exit {result.returncode}: {result.stdout[-500:]}")
-
-
-def shoot(chromium: str, shots: list[tuple[str, str | None, str]], output: Path) -> None:
-    """Open each page, narrow it (chart search, or the artifact to open), let it draw, screenshot."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": 1900, "height": 1000})
-        for url, narrow, name in shots:
-            page.goto(url, wait_until="load")  # the runs list polls: never "network idle"
-            page.wait_for_timeout(5000)
-            _close_panels(page)
-            training = page.get_by_text("Model training", exact=True)
-            if training.count():  # MLflow 3 opens in its GenAI view; parity runs are model-training runs
-                training.first.click()
-                page.goto(url, wait_until="load")
-                page.wait_for_timeout(4000)
-            if name == "mlflow_runs.png":
-                _show_columns(page, "paritylab.verdict", "paritylab.first_divergence", "paritylab.regression")
-            elif narrow and name.endswith("heatmap.png"):
-                page.get_by_text(narrow).first.click()
-            elif narrow:
-                page.get_by_placeholder("Search metric charts").fill(narrow)
-            page.wait_for_timeout(4000)
-            page.screenshot(path=str(output / name))
-        browser.close()
-
-
-def _show_columns(page: Any, *tags: str) -> None:
-    """Add tag columns to the runs list (what a user does once: Columns, search, tick)."""
-    page.get_by_role("button", name="Columns").first.click()
-    page.wait_for_timeout(1000)
-    for tag in tags:
-        page.get_by_placeholder("Search columns").fill(tag)
-        page.wait_for_timeout(800)
-        page.get_by_text(tag, exact=True).first.click()
-        page.wait_for_timeout(500)
-    page.keyboard.press("Escape")
-
-
-def _close_panels(page: Any) -> None:
-    for label in ("Close", "close"):  # the assistant side panel, when the UI shows one
-        button = page.get_by_role("button", name=label)
-        if button.count():
-            button.first.click()
-            return
 
 
 def _free_port() -> int:

@@ -49,7 +49,7 @@ def test_default_run_end_to_end(tmp_path):
     assert "PASS" in result.stdout and "mlflow ui --backend-store-uri sqlite:///" in result.stdout
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run_info,) = parity_runs(client)
-    assert run_info.info.status == "FINISHED" and run_info.info.run_name == "llava/port seed=0"
+    assert run_info.info.status == "FINISHED" and run_info.info.run_name == "PASS llava/port seed=0"
     tags = run_info.data.tags
     assert tags["paritylab.verdict"] == "pass" and tags["paritylab.first_divergence"] == "none"
     assert tags["paritylab.model"] == "llava" and tags["paritylab.candidate"] == "port"

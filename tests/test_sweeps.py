@@ -47,7 +47,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     runs = runs_of(client, "nested")
     (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    names = [f"llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")]
+    names = [f"PASS llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")]  # the verdict, then what varies
     assert sorted(r.info.run_name for r in children) == names  # what varies, and every other override
     assert all(r.info.status == "FINISHED" and r.data.tags["paritylab.verdict"] == "pass" for r in children)
     assert (
@@ -101,7 +101,9 @@ def test_a_sweep_on_submitit_local_nests_its_jobs_on_a_real_server(tmp_path, mlf
     runs = runs_of(client, "cluster")
     (parent,) = [r for r in runs if r.data.tags.get("paritylab.sweep") == "true"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.info.run_name for r in children) == [f"llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")]
+    assert sorted(r.info.run_name for r in children) == [
+        f"PASS llama/{c} seed=0 replay=False" for c in ("bf16", "sdpa")
+    ]
     assert {r.data.tags["paritylab.verdict"] for r in children} == {"pass"} and parent.info.status == "FINISHED"
     assert len({r.data.tags["paritylab.pid"] for r in children}) == 2  # each job in a process of its own
     jobs = sorted(path.name for path in (tmp_path / "sweep").iterdir() if (path / ".hydra").is_dir())
@@ -164,7 +166,9 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, mo
     assert any(a.path.endswith(".safetensors") for a in _artifacts(client, newest.info.run_id))  # regressed: kept
     assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
     (trend,) = [r for r in runs_of(client, experiment) if r.data.tags.get("paritylab.trend") == "true"]
-    assert trend.info.run_name == "trend/llava/port/synthetic-seed-0"
+    # named and tagged by its newest night: it regressed, at layer 1
+    assert trend.info.run_name.startswith("REGRESSED trend/llava/port/synthetic-seed-0 @ model.language_model.layers.1")
+    assert trend.data.tags["paritylab.verdict"] == "regressed"
     history = client.get_metric_history(trend.info.run_id, "layer/model.language_model.layers.1/rel_l2")
     starts = sorted(r.info.start_time for r in parity_runs_named(client, experiment))
     assert [m.step for m in history] == [1, 2, 3]

@@ -3,7 +3,8 @@
 Per-module divergence is logged against execution order (``divergence/*``) and, for the dashboards, against
 layer index (``depth/<tower>/*``, in log10 so MLflow's linear axes read well); each layer also gets its own
 keys (``layer/<path>/*``) for regression checks and the trend run. The verdict, the first divergence and the
-origins are tags, so they show as columns in the runs list.
+origins are tags; the verdict and the first divergence are also in the run's name (see
+:func:`paritylab.sink.publish.parity_name`), the one column MLflow's runs list shows whatever a person has set up.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import json
 import math
 import socket
 import tempfile
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,13 +20,18 @@ from typing import Any
 from paritylab.reports.plots import trend_heatmap
 from paritylab.sink.history import FINGERPRINT, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
-from paritylab.sink.store import RUN_UID, Store
+from paritylab.sink.store import RUN_UID, TREND_STEPS, Store
 from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, log10_for_charts, metric_key
 from paritylab.tracing.files import UPLOADED_FILE, WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
 PUBLISHED = "paritylab.published"
 """Set once every metric, tag and file of the run is in MLflow: uploading again then does nothing."""
+TREND_RUN = "paritylab.trend_run"
+MAX_NAME = 250
+"""MLflow keeps a run's name in a 250-character column."""
+AGGREGATE_ORDER = ("interrupted", "error", "fail", "regressed", "inconclusive", "pass")
+"""What a sweep parent says when its jobs differ: the first of these that one of them has."""
 
 
 @dataclass
@@ -81,13 +87,108 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     tracker.log_metrics(record.metrics)
     if record.table is not None:
         tracker.log_table(record.table, "comparison_table.json")
-    tracker.set_tags(record.tags)
+    tracker.set_tags({**record.tags, **_judged_name(record, regression)})
+    if store is not None and regression is not None and TREND_RUN in record.tags:
+        _label_trend(tracker, store, record, regression)
     copied = log_directory(tracker, directory, record.log_tensors)
     tracker.set_tags({PUBLISHED: "true"})
     tracker.end(record.status)
     if not record.keep_local:
         drop_local_copies(tracker, directory, copied)
     return regression
+
+
+def verdict_label(verdict: str, regression: str | None = None, status: str = "FINISHED") -> str:
+    """What a run's name starts with: ``PASS``, ``FAIL``, ``INCONCLUSIVE``, ``ERROR``, ``INTERRUPTED`` (a
+    KILLED run) or ``REGRESSED`` (parity holds, but a layer's error grew past its baseline's; a run that fails
+    is a ``FAIL`` whatever its regression, which its tags say)."""
+    if status == "KILLED" or verdict == "interrupted":
+        return "INTERRUPTED"
+    if verdict == "pass" and regression == "regressed":
+        return "REGRESSED"
+    return verdict.upper()
+
+
+def outcome(verdict: str, regression: str | None = None, status: str = "FINISHED") -> str:
+    """One word for a run: ``pass``, ``fail``, ``regressed``, ``inconclusive``, ``error`` or ``interrupted`` (a
+    verdict paritylab does not know: ``error``): what sweep parents and trend runs aggregate."""
+    word = verdict_label(verdict, regression, status).lower()
+    return word if word in AGGREGATE_ORDER else "error"
+
+
+def aggregate(outcomes: list[str]) -> str:
+    """The outcome of a sweep from its jobs' (:data:`AGGREGATE_ORDER`); ``error`` when there is none."""
+    return next((word for word in AGGREGATE_ORDER if word in outcomes), "error")
+
+
+def display_name(label: str, base: str, where: str | None = None, separator: str = " @ ") -> str:
+    """``LABEL base @ where`` (``where``: the module where divergence starts, or the first regressed layer), at
+    most :data:`MAX_NAME` characters. ``base`` (the name the run started with: what tells sweep jobs apart) is
+    kept whole when it fits; ``where`` is cut from the left, its end naming the module."""
+    head = f"{label} {base}"[:MAX_NAME]
+    if not where:
+        return head
+    room = MAX_NAME - len(head) - len(separator)
+    if room >= len(where):
+        return f"{head}{separator}{where}"
+    return f"{head}{separator}\u2026{where[-(room - 1) :]}" if room > 8 else head
+
+
+def parity_name(base: str, tags: Mapping[str, str], status: str, regressed: list[str] | None = None) -> str:
+    """A parity run's name once judged: ``FAIL llava/port seed=0 @ model.language_model.layers.1.mlp.down_proj``,
+    ``REGRESSED ... @ <first regressed layer> (+N)``, ``PASS llava/port seed=0``."""
+    regression = tags.get("paritylab.regression")
+    label = verdict_label(tags.get("paritylab.verdict", "error"), regression, status)
+    first = tags.get("paritylab.first_divergence", "none")
+    where = None if first == "none" else first
+    if where is None and regression == "regressed":
+        layers = regressed if regressed is not None else _listed(tags.get("paritylab.regressed_layers", "none"))
+        if layers:
+            where = layers[0] + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
+    return display_name(label, base, where)
+
+
+def _listed(text: str) -> list[str]:
+    return [] if text in ("", "none") else text.split(",")
+
+
+def _judged_name(record: RunRecord, regression: Regression | None) -> dict[str, str]:
+    """The run's name with its verdict and where divergence starts (``FAIL llava/port seed=0 @ <module>``), so
+    the runs list shows them with no column set up. ``record.run_name`` stays the name the run started with: an
+    upload starts the run under it and publishes the same name again. Records of no parity run: no new name."""
+    if "paritylab.verdict" not in record.tags:
+        return {}
+    regressed = regression.regressed if regression is not None else None
+    return {"mlflow.runName": parity_name(record.run_name, record.tags, record.status, regressed)}
+
+
+def _label_trend(tracker: Tracker, store: Store, record: RunRecord, regression: Regression) -> None:
+    """The trend run says what its newest night says: its verdict, regression and first divergence as tags, and
+    a name that starts with them (``REGRESSED trend/llava/port/synthetic-seed-0 @ <layer>``). A run published
+    after a later night (an upload) leaves the trend as that night left it."""
+    trend = record.tags[TREND_RUN]
+    if store.get_run(trend).tags.get(TREND_STEPS) != record.tags.get("paritylab.trend_step"):
+        return
+    tags = _trend_tags(_trend_name(record), record.tags, regression)
+    current, tracker.run_id = tracker.run_id, trend
+    try:
+        tracker.set_tags(tags)
+    finally:
+        tracker.run_id = current
+
+
+def _trend_tags(name: str, night: Mapping[str, str], regression: Regression) -> dict[str, str]:
+    """The trend run's tags after a night (``night``: that run's tags): its outcome as ``paritylab.verdict``
+    (``pass``, ``fail``, ``regressed``, ``inconclusive``), its regression and first divergence, and a name that
+    starts with them (``REGRESSED trend/llava/port/synthetic-seed-0 @ <first regressed layer>``)."""
+    tags = {**night, **regression.tags()}
+    return {
+        "paritylab.verdict": outcome(night.get("paritylab.verdict", "error"), regression.verdict),
+        "paritylab.regression": regression.verdict,
+        "paritylab.first_divergence": night.get("paritylab.first_divergence", "none"),
+        "paritylab.regressed_layers": ",".join(regression.regressed) or "none",
+        "mlflow.runName": parity_name(name, tags, "FINISHED", regression.regressed),
+    }
 
 
 def upload_tensors(mode: str, verdict: str, regressed: bool | None) -> bool:
@@ -123,9 +224,8 @@ def _trend_point(store: Store, record: RunRecord, directory: Path, fingerprint: 
     """One point per layer on the pair's trend run, stamped with the run's own start (MLflow's time axis reads
     as dates), in log10 under one chart section (``nightly/log10_rel_l2/<layer>``); and the layer × night
     heatmap, refreshed."""
-    name = f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
     tags = {k: record.tags[k] for k in ("paritylab.pair", "paritylab.inputs", "paritylab.model", "paritylab.candidate")}
-    trend = store.trend_run(fingerprint, name, tags)
+    trend = store.trend_run(fingerprint, _trend_name(record), tags)
     step = store.next_trend_step(trend)
     points = [Metric(m.key, m.value, step, record.start_ms) for m in record.metrics if _trend_metric(m.key)]
     points += [
@@ -136,7 +236,7 @@ def _trend_point(store: Store, record: RunRecord, directory: Path, fingerprint: 
         if m.key.startswith("layer/") and (log := log10_for_charts(m.value)) is not None
     ]
     store.log_metrics_to(trend, points)
-    record.tags.update({"paritylab.trend_run": trend, "paritylab.trend_step": str(step)})
+    record.tags.update({TREND_RUN: trend, "paritylab.trend_step": str(step)})
     record.save(directory)  # logged: published again after a failure, this point is not added twice
     histories = {
         _layer(key): store.metric_history(trend, metric_key(key))
@@ -148,6 +248,11 @@ def _trend_point(store: Store, record: RunRecord, directory: Path, fingerprint: 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {record.run_name}"))
         store.log_artifact_to(trend, path)
+
+
+def _trend_name(record: RunRecord) -> str:
+    """The pair's trend run: ``trend/<model>/<candidate>/<inputs>``."""
+    return f"trend/{record.tags['paritylab.pair']}/{record.tags['paritylab.inputs'].replace(' ', '-')}"
 
 
 def _layer(key: str) -> str:

@@ -165,12 +165,31 @@ def summarise(jobs: list[dict[str, Any]], state: dict[str, Any]) -> str:
 
 
 def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, Any]], summary: str, code: int) -> None:
+    """The summary, counts and file on the parent run; its outcome (``paritylab.verdict``: ``interrupted``,
+    ``error``, ``fail``, ``regressed``, ``inconclusive`` or ``pass``, the first of these a job has) and a name that
+    starts with it and counts the jobs (``FAIL sweep/3: 1 fail, 3 pass``); the status: FINISHED, FAILED, KILLED."""
+    from collections import Counter
+
+    from paritylab.sink.publish import AGGREGATE_ORDER, aggregate, display_name, outcome
     from paritylab.sink.tracking import Metric, MlflowTracker, TrackingError
 
+    outcomes = [outcome(str(job.get("verdict") or "error"), job.get("regression")) for job in jobs]
+    verdict = "interrupted" if code == EXIT_INTERRUPTED else aggregate(outcomes)
+    counted = sorted(Counter(outcomes).items(), key=lambda item: AGGREGATE_ORDER.index(item[0]))
+    tally = ", ".join(f"{number} {word}" for word, number in counted) or "no jobs"
+    regressed = any(job.get("regression") == "regressed" for job in jobs)
     try:
         tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
         tracker.run_id = state["parent_run_id"]
-        tracker.set_tags({"mlflow.note.content": summary, "paritylab.sweep_exit_code": str(code)})
+        tracker.set_tags(
+            {
+                "mlflow.note.content": summary,
+                "paritylab.sweep_exit_code": str(code),
+                "paritylab.verdict": verdict,
+                "paritylab.regression": "regressed" if regressed else "none",
+                "mlflow.runName": display_name(verdict.upper(), f"sweep/{state.get('number')}", tally, ": "),
+            }
+        )
         counts = {"jobs": len(jobs), "failed": sum(1 for j in jobs if j["exit_code"])}
         counts["regressed"] = sum(1 for j in jobs if j.get("regression") == "regressed")
         tracker.log_metrics([Metric(f"sweep/{key}", value) for key, value in counts.items()])

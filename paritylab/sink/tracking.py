@@ -290,32 +290,102 @@ def _quiet_schema_setup() -> Iterator[None]:
             logger.setLevel(level)
 
 
-EXPERIMENT_DESCRIPTION = """**paritylab**: does a candidate (a port, a dtype, an attention kernel, torch.compile)
-compute what its reference computes, module by module?
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+"""The experiment's kind (``genai_development``, ``custom_model_development``, ...): MLflow 3 UIs that read it open
+a ``custom_model_development`` experiment on its runs list, not on the GenAI overview. MLflow 3.17's UI takes the
+kind from its sidebar switch (GenAI / Model training, kept by the browser) instead, or from ``?workflowType=``
+in the address: the description's first line links to the runs list with ``workflowType=machine_learning``."""
+RUNS_VIEW = "paritylab"
+"""The experiment's saved view of its runs list (the experiment tag ``mlflow.sharedViewState.paritylab``, MLflow's
+"Views" menu): the verdict, first divergence and regression columns, wide enough to read a module's name. The
+description's first line links to it (``?viewStateShareKey=paritylab``)."""
+_COLUMNS = {  # MLflow's column ids: the width (pixels) of each a person reads first, in this order
+    "attributes.`Run Name`": 300,
+    "runDateAndNestInfo": None,  # Created, with the run's status
+    "tags.`paritylab.first_divergence`": 330,
+    "tags.`paritylab.regression`": 125,
+    "tags.`paritylab.verdict`": 115,
+    "duration": None,
+    "attributes.`Source`": None,
+}
 
-- Parity runs are named `model/candidate seed=N` plus what else was overridden; the columns
-  `tags.paritylab.verdict` and `tags.paritylab.first_divergence` give the verdict and the module where
-  divergence starts.
+
+def runs_view(now_ms: int | None = None) -> str:
+    """The saved view, as MLflow 3.17's UI stores one: ``{name, createdAt, updatedAt, state}``, ``state`` being the
+    runs list's settings as JSON (the columns shown, their order and widths; the rest stays MLflow's default)."""
+    import json
+
+    state = {
+        "selectedColumns": [column for column in _COLUMNS if column.startswith(("tags.", "attributes.`Source"))],
+        "columnOrder": list(_COLUMNS),
+        "columnWidths": {column: width for column, width in _COLUMNS.items() if width},
+    }
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    view = {"name": "paritylab: verdict and first divergence", "createdAt": now, "updatedAt": now}
+    return json.dumps({**view, "state": json.dumps(state)})
+
+
+EXPERIMENT_DESCRIPTION = """**paritylab: [the runs list]({runs})**, each run named by its verdict, what ran and where \
+divergence starts: `FAIL llava/port seed=0 @ model.language_model.layers.1.mlp.down_proj`.
+
+**paritylab** checks that a candidate (a port, a dtype, an attention kernel, torch.compile) computes what its
+reference computes, module by module. MLflow 3 opens an experiment on its GenAI overview unless the sidebar's
+*Model training* switch is on (the browser remembers it); the link above opens the runs list either way, in the
+view *paritylab: verdict and first divergence* (also in the runs list's *Views* menu).
+
+- A run's name starts with its verdict: PASS, FAIL, INCONCLUSIVE, ERROR, INTERRUPTED, or REGRESSED (parity holds
+  but a layer's error grew past its baseline's); then `model/candidate seed=N` and what else was overridden; then
+  `@` the module where divergence starts (or the first regressed layer). The same as tags: `paritylab.verdict`,
+  `paritylab.first_divergence`, `paritylab.regression`.
+- Sweep parents are named `VERDICT sweep/N: <jobs per verdict>` (FAILED when a job failed, regressed or
+  errored) and fold their jobs; `VERDICT trend/<pair>/<inputs>` runs hold one point per scheduled night of each
+  layer's error, and say what the newest night said.
 - On a run's page, the `depth/<tower>/log10_*` charts show divergence against layer index (step = layer),
   `divergence/*` against execution order; `comparison_table.json` lists every module.
-- Runs named `sweep/N` are sweep parents (FAILED when any job failed or regressed); `trend/...` runs hold one
-  point per scheduled night (x axis: time) of each layer's error for one pair.
 """
 
 
+def runs_link(experiment_id: str) -> str:
+    """The experiment's runs list in MLflow's model-training view, in paritylab's saved view (relative to the UI)."""
+    return f"#/experiments/{experiment_id}/runs?viewStateShareKey={RUNS_VIEW}&workflowType=machine_learning"
+
+
+def experiment_description(experiment_id: str) -> str:
+    """The experiment's description, its first line a link to :func:`runs_link`."""
+    return EXPERIMENT_DESCRIPTION.format(runs=runs_link(experiment_id))
+
+
 def _experiment_id(client: Any, name: str) -> str:
+    """The experiment's id, created with its kind (:data:`MODEL_TRAINING`), saved runs view (:data:`RUNS_VIEW`) and
+    description when it is new. An experiment paritylab made that lacks one of them (made before paritylab set
+    it, or its creator stopped before the description) gets it; what is there stays, and so does an experiment
+    paritylab did not make."""
     from mlflow.exceptions import MlflowException
 
+    view = f"mlflow.sharedViewState.{RUNS_VIEW}"
     found = client.get_experiment_by_name(name)
     if found is not None:
+        ours = view in found.tags or found.tags.get("mlflow.note.content", "").startswith("**paritylab")
+        missing = {
+            EXPERIMENT_KIND: MODEL_TRAINING,
+            view: runs_view(),
+            "mlflow.note.content": experiment_description(found.experiment_id),  # lost to a failed create
+        }
+        for key, value in missing.items() if ours else ():
+            if key not in found.tags:
+                with contextlib.suppress(MlflowException):  # how the UI shows it is worth no failed run
+                    client.set_experiment_tag(found.experiment_id, key, value)
         return found.experiment_id
     try:
-        return client.create_experiment(name, tags={"mlflow.note.content": EXPERIMENT_DESCRIPTION})
+        experiment_id = client.create_experiment(name, tags={EXPERIMENT_KIND: MODEL_TRAINING, view: runs_view()})
     except MlflowException:  # created concurrently by another job
         found = client.get_experiment_by_name(name)
         if found is None:
             raise
         return found.experiment_id
+    client.set_experiment_tag(experiment_id, "mlflow.note.content", experiment_description(experiment_id))
+    return str(experiment_id)
 
 
 def _cut(text: str, limit: int) -> str:

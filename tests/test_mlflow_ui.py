@@ -1,0 +1,159 @@
+"""What a person sees in MLflow's UI with nothing clicked or set up: in a real browser (a real ``mlflow server``
+on 127.0.0.1 over runs paritylab logged to it, pages loaded in headless Chromium, Debian's ``chromium``, with a
+fresh profile, read as the UI rendered them: ``--dump-dom``), and the run names and tags it shows, which say
+each run's verdict: parity runs, sweep parents."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import uuid
+from html.parser import HTMLParser
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from paritylab.cli.app import compose
+from paritylab.run.config import fresh_directory
+from paritylab.run.runner import EXIT_FAIL, EXIT_PASS, run
+from paritylab.sink.publish import MAX_NAME, display_name, verdict_label
+from paritylab.sink.tracking import runs_link
+from tests.helpers import migrated_store
+
+CHROMIUM = shutil.which("chromium")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--window-size=1600,1000"]  # fmt: skip
+FAULTY = [
+    "candidate.ports.llava.build._target_=tests.faulty.scaled_port",
+    "+candidate.ports.llava.build.module=llm.layers.1.feed_forward.w2",
+    "+candidate.ports.llava.build.scale=1.05",
+]
+"""The port with one projection of layer 1 scaled: it fails, and divergence starts there."""
+FIRST_DIVERGENCE = "model.language_model.layers.1.mlp.down_proj"
+
+
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class Page(HTMLParser):
+    """A page as the UI rendered it: its links (address, text) and the runs list's cells (run id -> column id ->
+    text; MLflow's grid names each row by its run's id and each cell by its column's)."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.links: list[tuple[str, str]] = []
+        self.cells: dict[str, dict[str, str]] = {}
+        self._stack: list[tuple[str, str | None, str | None, str | None]] = []  # tag, href, row id, column id
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in VOID:
+            return
+        found = dict(attrs)
+        row = found.get("row-id") or next((item[2] for item in reversed(self._stack) if item[2]), None)
+        column = found.get("col-id") if found.get("role") == "gridcell" else None
+        self._stack.append((tag, found.get("href") if tag == "a" else None, row, column))
+        if tag == "a":
+            self.links.append((found.get("href") or "", ""))
+        if row and column:
+            self.cells.setdefault(row, {})[column] = ""
+
+    def handle_data(self, data: str) -> None:
+        if any(item[0] == "a" for item in self._stack) and self.links:
+            self.links[-1] = (self.links[-1][0], " ".join(f"{self.links[-1][1]} {data}".split()))
+        cell = next(((item[2], item[3]) for item in reversed(self._stack) if item[3]), None)
+        if cell is not None and cell[0] is not None:
+            row, column = cell
+            self.cells[row][column] = " ".join(f"{self.cells[row][column]} {data}".split())
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._stack:
+            if self._stack.pop()[0] == tag:
+                break
+
+
+def render(url: str, wanted: str) -> Page:
+    """``url`` as headless Chromium renders it (a fresh profile: no view the UI remembers), once the page shows
+    ``wanted`` (the UI draws after its requests answer: a busy machine gets two more tries)."""
+    page = Page("")
+    for budget in (15000, 30000, 60000):
+        with tempfile.TemporaryDirectory(prefix="paritylab-chromium-") as profile:
+            command = [CHROMIUM or "chromium", *FLAGS, f"--user-data-dir={profile}",
+                       f"--virtual-time-budget={budget}", "--dump-dom", url]  # fmt: skip
+            page = Page(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
+        if any(wanted in text or wanted in href for href, text in page.links):
+            break
+    return page
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="no browser: apt-get install -y chromium (Debian's package)")
+def test_the_runs_list_shows_each_runs_verdict_and_first_divergence_with_nothing_set_up(tmp_path, mlflow_server):
+    experiment = f"ui-{uuid.uuid4().hex[:8]}"
+    common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={experiment}", "compare.replay=false"]
+    passing = run(compose(common), fresh_directory(str(tmp_path / "run")), echo=lambda _: None)
+    failing = run(compose([*common, *FAULTY]), fresh_directory(str(tmp_path / "run")), echo=lambda _: None)
+    assert (passing.exit_code, failing.exit_code) == (EXIT_PASS, EXIT_FAIL)
+    found = MlflowClient(mlflow_server).get_experiment_by_name(experiment)
+    assert found.tags["mlflow.experimentKind"] == "custom_model_development"  # the kind MLflow 3 UIs may open on
+
+    # MLflow 3.17 opens an experiment on the view its sidebar switch chose (GenAI, in a fresh browser): the
+    # description, on top of every view, links to the runs list, in the model-training view and paritylab's view.
+    runs_list = runs_link(found.experiment_id)
+    landing = render(f"{mlflow_server}/#/experiments/{found.experiment_id}", runs_list)
+    assert runs_list in [href for href, _ in landing.links]
+
+    # There, with no column set up, each run's name says its verdict and where divergence starts; the view's
+    # columns say them again, the first divergence in full.
+    page = render(f"{mlflow_server}/{runs_list}", FIRST_DIVERGENCE)
+    names = {href.rsplit("/", 1)[-1]: text for href, text in page.links}
+    assert names[passing.run_id] == "PASS llava/port seed=0"
+    assert names[failing.run_id] == f"FAIL llava/port seed=0 @ {FIRST_DIVERGENCE}"
+    columns = ("tags.`paritylab.verdict`", "tags.`paritylab.first_divergence`")
+    assert [page.cells[failing.run_id][column] for column in columns] == ["fail", FIRST_DIVERGENCE]
+    assert [page.cells[passing.run_id][column] for column in columns] == ["pass", "none"]
+
+
+def test_a_run_name_starts_with_its_verdict_and_keeps_what_tells_jobs_apart():
+    assert verdict_label("pass", "regressed") == "REGRESSED" and verdict_label("fail", "regressed") == "FAIL"
+    assert verdict_label("error", None, "KILLED") == "INTERRUPTED" and verdict_label("inconclusive") == "INCONCLUSIVE"
+    base = "llava/port seed=0 " + " ".join(f"key{n}=value{n}" for n in range(40))  # a long sweep job's name
+    name = display_name("FAIL", base[:200], "model." + ".".join(["block"] * 20) + ".mlp.down_proj")
+    assert len(name) == MAX_NAME and name.startswith(f"FAIL {base[:200]} @ \u2026") and name.endswith(".mlp.down_proj")
+    assert display_name("FAIL", base * 2, "model.layers.1").startswith("FAIL llava/port seed=0 key0=value0")
+    assert len(display_name("FAIL", base * 2, "model.layers.1")) == MAX_NAME
+
+
+@pytest.mark.parametrize(
+    ("interrupted", "expected"),
+    [(False, "ERROR sweep/1: 1 error, 1 fail, 1 regressed, 2 pass"),
+     (True, "INTERRUPTED sweep/1: 1 error, 1 fail, 1 regressed, 2 pass")],
+)  # fmt: skip
+def test_a_sweep_parent_is_named_and_tagged_by_its_worst_job(tmp_path, monkeypatch, interrupted, expected):
+    from omegaconf import OmegaConf
+
+    import paritylab.sink.sweep as sweep_module
+
+    monkeypatch.setenv(sweep_module.ENVIRONMENT, "")
+    monkeypatch.setattr(sweep_module, "_current", None)
+    uri = migrated_store(tmp_path / "mlflow.db")
+    directory = tmp_path / "sweep"
+    config = OmegaConf.create({
+        "hydra": {"sweep": {"dir": str(directory)}, "overrides": {"task": ["candidate=a,b"]}},
+        "tracking": {"enabled": True, "uri": uri, "experiment": "sweeps", "timeout": 10, "retries": 0},
+    })  # fmt: skip
+    state = sweep_module.start_sweep(config)
+    jobs = [("pass", None, 0), ("pass", "regressed", 1), ("fail", "none", 1), ("pass", "none", 0), ("error", None, 2)]
+    for number, (verdict, regression, code) in enumerate(jobs):
+        job = directory / f"{number}-candidate=x{number}"
+        (job / ".hydra").mkdir(parents=True)
+        summary = {"verdict": verdict, "regression": regression, "exit_code": code, "link": ""}
+        (job / "run.json").write_text(json.dumps(summary))
+    sweep_module.finish_sweep(directory, interrupted=interrupted)
+    parent = MlflowClient(uri).get_run(state["parent_run_id"])
+    assert parent.info.run_name == expected
+    assert parent.data.tags["paritylab.verdict"] == expected.split()[0].lower()
+    assert parent.data.tags["paritylab.regression"] == "regressed"
+    assert parent.info.status == ("KILLED" if interrupted else "FAILED")
