@@ -88,8 +88,20 @@ def render(url: str, wanted: str) -> Page:
     return page
 
 
+def _mlflow_before(major: int, minor: int) -> bool:
+    from importlib.metadata import version
+
+    found = tuple(int(part) for part in version("mlflow").split(".")[:2])
+    return found < (major, minor)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no browser: apt-get install -y chromium (Debian's package)")
+@pytest.mark.skipif(
+    _mlflow_before(3, 17),
+    reason="the page is read as MLflow 3.17's UI lays out its runs list (a saved view by link); older UIs differ "
+    "(under MLflow 3.9 a run's link was not in the page read): the run names and tags are tested on every version",
+)
 def test_the_runs_list_shows_each_runs_verdict_and_first_divergence_with_nothing_set_up(tmp_path, mlflow_server):
     experiment = f"ui-{uuid.uuid4().hex[:8]}"
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={experiment}", "compare.replay=false"]
