@@ -446,7 +446,7 @@ class _Session:
         if mode == "off" or (mode == "auto" and low is None):
             return None
         low = low or torch.bfloat16
-        self.echo(f"paritylab: estimating the noise floors (float64 vs {str(low).removeprefix('torch.')})")
+        self.echo(f"paritylab: estimating the noise floors (float32 vs {str(low).removeprefix('torch.')})")
         if candidate.cast_of == low:  # the candidate is the reference at that precision: reuse, don't re-run it
             self.notes.append(
                 f"noise floor: the candidate is the reference in {str(low).removeprefix('torch.')}; its trace "
