@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import paritylab
 from paritylab.cli.app import compose
 from paritylab.run.config import fresh_directory
 from paritylab.run.runner import EXIT_ERROR, run
@@ -219,3 +220,32 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_and_an_error_in_mlflow(tmp_pat
         assert run_info.info.status == "FAILED" and run_info.data.tags["paritylab.verdict"] == "error"
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_trace_that_could_not_be_finished_for_a_full_disk_says_so_when_recovered(tmp_path, monkeypatch):
+    """trace.json could not be written (ENOSPC): the journal keeps the cause in the slot it reserved (written in
+    place, needing no free space), and the recovered trace says "no space left on device", not "killed"."""
+    import errno
+
+    from paritylab.tracing.tracefile import Trace
+    from tests.tiny import tiny_llama, token_ids
+
+    model, ids = tiny_llama(num_hidden_layers=1), token_ids()
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trace, "save", full)
+        with pytest.raises(OSError, match="No space"), paritylab.trace(model, tmp_path / "t", save_tensors=True):
+            model(ids)
+    recovered = Trace.load(tmp_path / "t")
+    error = recovered.meta["error"]
+    assert error["type"] == "Unfinished" and "killed" not in error["message"]
+    assert error["message"] == (
+        "the trace could not be finished: OSError: No space left on device; recovered from its journal"
+    )
+    with paritylab.trace(model, tmp_path / "whole", save_tensors=True):
+        model(ids)
+    assert [call.key for call in recovered.calls] == [call.key for call in Trace.load(tmp_path / "whole").calls]
+    assert all(call.outputs is not None and call.error is None for call in recovered.calls)  # all closed

@@ -640,11 +640,9 @@ def test_no_values_stored_is_never_a_pass(tmp_path, scale):
 )
 def test_settings_that_would_fail_late_fail_before_any_model_is_built(tmp_path, override, expected):
     said: list[str] = []
-    started = time.perf_counter()
     result = run(compose([override]), tmp_path / "run", echo=said.append)
     assert result.exit_code == 2 and len(said) == 1 and expected in said[0], said
-    assert time.perf_counter() - started < 1.0  # no model was built
-    assert not (tmp_path / "run" / "reference").exists()
+    assert not (tmp_path / "run" / "reference").exists() and "building" not in " ".join(said)  # no model built
 
 
 def test_output_dir_under_a_file_is_one_line(tmp_path):

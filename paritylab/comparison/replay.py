@@ -209,6 +209,7 @@ def attach_replay(
     fed_wrong: dict[int, tuple[Row, str]] = {}
     by_index = {row.index: row for row in report.rows}
     received = received_calls(reference)
+    fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -223,7 +224,8 @@ def attach_replay(
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
-        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, reference.calls[row.input_call]):
+        inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
+        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs):
             blamed = _unreplaced_source(row, by_index, reference, received)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
@@ -266,6 +268,9 @@ def attach_replay(
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = innermost(own_errors, report.rows)
     _name_culprit(report, low_precision=local_floor is not None)
+    named = report.first_divergence
+    if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
+        report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
     return report
 
 
@@ -287,17 +292,34 @@ def _systematic(
     return systematic_z(ref_value, floor_value, own)
 
 
-def _fed_wrong(local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord) -> bool:
-    """In the replay, the row's floating-point input differs from the reference's although every paired
-    module upstream was given the reference's values (integer inputs, such as token or position ids, are
-    what each implementation chose to pass, not values an upstream error could have changed: GPT-2's
-    position embedding takes positions where TransformerLens' takes the tokens)."""
+def _fed_wrong(
+    local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord, replayed: CallRecord | None
+) -> bool:
+    """In the replay, the row's input differs from the reference's although every paired module upstream was
+    given the reference's values. A floating-point input counts whenever it differs. An integer input (token or
+    position ids) counts only where one side's own code changed it in place before passing it on (the tracer
+    marks such a value ``changed``): otherwise different integer inputs are what each implementation chose to
+    pass, not values an upstream error could have changed (GPT-2's position embedding takes positions where
+    TransformerLens' takes the tokens)."""
     node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
-    if not local.input_metrics or node is None or not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+    if not local.input_metrics or node is None:
         return False
+    if not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+        other = next((n for _, n in iter_tensors(replayed.inputs, "inputs")), None) if replayed else None
+        return local.input_diverged and any(n is not None and n.get("changed") for n in (node, other))
     if floor is None:
         return local.input_diverged
     return beyond_floor(local.input_metrics, floor, dtype) is not None
+
+
+def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRecord | None:
+    """The replay's call whose input the row compared (the first call of a paired run, else the row's own)."""
+    if row.candidate is None:
+        return None
+    try:
+        return replay.call(fed_from.get(row.candidate.key, row.candidate.key))
+    except KeyError:
+        return None
 
 
 def _unreplaced_source(

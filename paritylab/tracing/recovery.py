@@ -38,6 +38,9 @@ _DTYPES = set(SAFETENSORS_DTYPES.values())
 def recover(directory: Path) -> Trace:
     """Finish the shards and write ``trace.json`` of a trace left without one; returns it, loaded."""
     first, calls = _lines(directory / CALLS_JOURNAL)
+    ended = [str(item["end"]) for item in calls if item.get("end")]
+    calls = [item for item in calls if "end" not in item]  # the reserved slot (Journal.end), filled or blank
+    cause = f"the trace could not be finished: {ended[0]}; recovered from its journal" if ended else KILLED
     records: dict[int, CallRecord] = {}
     for item in calls:
         record = CallRecord.from_json(item)
@@ -47,7 +50,7 @@ def recover(directory: Path) -> Trace:
     files = _finish_shards(directory)
     open_calls = [r for r in records.values() if r.outputs is None and r.error is None]
     for record in open_calls:
-        record.error = "interrupted: " + KILLED
+        record.error = "interrupted: " + cause
     innermost = max(open_calls, key=lambda r: r.index, default=None)
     trace = Trace(calls=[records[index] for index in sorted(records)], directory=directory)
     trace.files = {ref: (file, ref) for ref, file in files.items()}
@@ -56,17 +59,17 @@ def recover(directory: Path) -> Trace:
             for _, node in iter_tensors(getattr(call, side), side):
                 if "ref" in node and node["ref"] not in files:
                     node.pop("ref")
-                    node["skipped"] = "not on disk when the process was killed"
+                    node["skipped"] = f"not on disk when the {'trace ended' if ended else 'process was killed'}"
     given = first.get("meta")
     trace.meta = {
         **({str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}),
         "status": "error",
         "recovered": True,
         "calls": len(trace.calls),
-        "storage": {"bytes": 0, "files": sorted(set(files.values())), "failure": KILLED, "skipped": 0},
+        "storage": {"bytes": 0, "files": sorted(set(files.values())), "failure": cause, "skipped": 0},
         "error": {
-            "type": "Killed",
-            "message": KILLED,
+            "type": "Unfinished" if ended else "Killed",
+            "message": cause,
             "module": innermost.path if innermost else None,
             "call": innermost.key if innermost else None,
         },
@@ -145,6 +148,8 @@ def _lines(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     complete = path.read_bytes().split(b"\n")[:-1]
     items = []
     for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue  # a reserved slot left blank (Journal.end)
         try:
             item = json.loads(line)
         except (ValueError, RecursionError) as error:

@@ -85,6 +85,8 @@ class _Seen:
     skipped: str | None
     producer: int | None = None
     """The innermost call that returned this tensor (dataflow: inputs point back to it)."""
+    changed: bool = False
+    """Recorded after code changed it in place (no call returned it since): every input node of it says so."""
 
 
 class Tracer:
@@ -150,7 +152,7 @@ class Tracer:
                 metadata=self._provenance(),
                 journal=True,
             )
-            self._journal = Journal(self.directory / CALLS_JOURNAL, {"meta": self._provenance()})
+            self._journal = Journal(self.directory / CALLS_JOURNAL, {"meta": self._provenance()}, reserve_end=True)
         self._buffers = {name: (buffer, tensor_version(buffer)) for name, buffer in self.model.named_buffers()}
         try:
             self._register(specs)
@@ -289,7 +291,11 @@ class Tracer:
         }
         seen = self._lookup(tensor)
         if seen is None:
+            changed = self._side == "inputs" and self._changed_in_place(tensor)
             seen = self._record_tensor(tensor)
+            seen.changed = changed  # seen before with other values: code that ran since changed it in place
+        if seen.changed and self._side == "inputs" and seen.producer is None:
+            node["changed"] = True
         if self._side == "outputs":
             self._out_seen.append(seen)
             if seen.producer is not None:  # returned as an inner call produced it
@@ -309,6 +315,11 @@ class Tracer:
         if seen is None or seen.ref() is not tensor or seen.version != tensor_version(tensor):
             return None
         return seen
+
+    def _changed_in_place(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` was recorded before and its version has moved since: it is passed on changed in place."""
+        seen = self._seen.get(id(tensor))
+        return seen is not None and seen.ref() is tensor and seen.version != tensor_version(tensor)
 
     def _record_tensor(self, tensor: torch.Tensor, save: bool | None = None) -> _Seen:
         stats = self._stats.add(tensor) if supports_stats(tensor) else None
@@ -356,7 +367,12 @@ class Tracer:
         if self._hook_error is not None:
             warnings.warn(f"paritylab: tracing hook failed at {self._hook_error}", RuntimeWarning, stacklevel=3)
         if self.directory is not None:
-            self.trace.save(self.directory)
+            try:
+                self.trace.save(self.directory)
+            except OSError as failed:  # a full disk: the journals stay, and say why the trace is unfinished
+                if self._journal is not None:
+                    self._journal.end(f"{type(failed).__name__}: {failed.strerror or failed}")
+                raise
             from paritylab.tracing.debugger_format import write_debugger_files
 
             write_debugger_files(self.trace, self.directory)
