@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from paritylab.comparison.lifted import lifts, same_weights
+from paritylab.comparison.lifted import lifts, same_weights, wide_twins
 from paritylab.comparison.report import compare_traces
 from paritylab.run.lifting import configured_wide, lift, widened
 from paritylab.run.parity import check, converted_copy, trace_model
@@ -87,12 +88,51 @@ def test_without_the_lifted_replay_the_same_bug_goes_unseen(tmp_path):
     assert alone.passed
 
 
+class Float32Norm(nn.LayerNorm):
+    """A LayerNorm kept in float32 inside a bf16 model, as implementations do for stability: it computes in
+    float32 and hands back the input's precision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+
+def _float32_norms(reference: nn.Module) -> nn.Module:
+    """The reference in bf16 with its norms kept in float32, holding the reference's exact weights."""
+    candidate = converted_copy(reference, torch.bfloat16)
+    for block, original in zip(candidate.blocks, reference.blocks, strict=True):
+        block.norm = Float32Norm(original.norm.normalized_shape)
+        block.norm.load_state_dict(original.norm.state_dict())
+    return candidate
+
+
+def test_norms_kept_in_float32_with_the_references_weights_are_lifted_and_a_bug_there_is_named(tmp_path):
+    """Norms held in float32 with the reference's exact values: provably the same weights (the lifted
+    reference leaves their twins unrounded), so the norms and the blocks holding them are judged lifted; a
+    x1.001 gain in one, a quarter of a bf16 rounding step, is named there, and the clean candidate passes."""
+    reference, _, x = _pair()
+    candidate = _float32_norms(reference)
+    calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
+    clean = check(reference, candidate, tmp_path / "clean", **calls)
+    assert clean.passed, clean.report.first_divergence
+    lifted = {row.path: row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local}
+    assert {"blocks.0.norm", "blocks.1.norm", "blocks.0", "blocks.1"} <= set(lifted)
+    assert max(lifted.values()) < 1e-6  # the same weights in float32: the code alone differs, and it does not
+    _scaled(candidate.blocks[1].norm, 1.001)
+    buggy = check(reference, candidate, tmp_path / "buggy", **calls)
+    assert not buggy.passed and buggy.report.first_divergence.path == "blocks.1.norm"
+    assert math.isclose(buggy.report.first_divergence.local["lifted_rel_l2"], 1e-3, rel_tol=0.05)
+
+
 def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
     """Only pairs whose weights are provably the same are judged lifted: a norm the candidate keeps in float32
-    holds other weights than the reference's rounded ones, and so does a table a cast rounded (a rotary
-    table); both stay with the bf16 judgement, as do the modules that hold them."""
+    with values no reference parameter holds (exactly or rounded), and a table a cast rounded (a rotary
+    table), stay with the bf16 judgement, as do the modules that hold them. A norm widened after the cast holds
+    the reference's rounded values: that is provable, and it is lifted."""
     reference, candidate, x = _pair()
     candidate.blocks[0].norm.float()
+    candidate.blocks[1].norm.float()
+    with torch.no_grad():
+        candidate.blocks[0].norm.weight.mul_(1 + 2**-12)  # kept wide, with values of its own
     candidate.blocks[1].register_buffer("table", torch.linspace(0.1, 0.9, 7).to(torch.bfloat16))
     candidate.blocks[1].up.register_buffer("mask", torch.tensor([0.0, -math.inf, 1.0, 0.125]).to(torch.bfloat16))
     reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
@@ -103,6 +143,7 @@ def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
     assert not {"blocks.0.norm", "blocks.0", "blocks.1", ""} & paths  # they hold, or sit above, either
     assert "blocks.1.up" in paths  # a mask of 0, -inf, 1 and 1/8 survives any cast
     assert {"inp", "blocks.0.up", "blocks.0.act", "blocks.0.down", "blocks.1.norm", "head"} <= paths
+    assert wide_twins(reference, candidate, torch.bfloat16)[0] == frozenset()  # rounded twins need no exception
     assert lifts(reference, candidate) == torch.bfloat16
     assert lifts(reference, converted_copy(reference, torch.float64)) is None  # nothing in low precision
     assert lifts(candidate, reference) is None  # the reference in low precision: nothing to lift

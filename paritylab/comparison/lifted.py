@@ -13,7 +13,8 @@ That only holds where the weights are provably the same, so a module is judged t
 
 - its subtree's parameters and its counterpart's, rounded to the candidate's precision, have the same
   fingerprint (:mod:`paritylab.tracing.structure`: the same values, whatever the layout or fusion), and the
-  candidate's parameters there are all in that precision (a norm kept in float32 is not rounded);
+  candidate's parameters there are all in that precision, or kept wider with values a reference parameter
+  provably holds (a norm kept in float32: its twin is then left unrounded in the lifted reference);
 - its subtree holds no other floating-point tensor that rounding may have changed (a rotary table or inverse
   frequencies cast with the model; integers, powers of two and mask fills survive any cast);
 - for a fused module paired by parts (one qkv against q, k and v) or a module paired with a run of modules
@@ -146,7 +147,7 @@ def same_weights(
     rounded to ``dtype`` (see the module's text for the conditions)."""
     grid = "fp16" if dtype == torch.float16 else "bf16"
     prints = (fingerprint(reference, grid), fingerprint(candidate, grid))
-    unsafe = _rounded_state(candidate, dtype)
+    unsafe = _rounded_state(candidate, dtype, wide_twins(reference, candidate, dtype)[1])
     eligible = set()
     for pair in alignment.pairs:
         ref_calls, cand_calls = (
@@ -193,12 +194,49 @@ def _weights(prints: dict[str, ModulePrint], calls: list[CallRecord]) -> tuple[i
     return digest, sum(item.numel for item in found if item is not None)
 
 
-def _rounded_state(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype``, or another
-    floating-point tensor (buffer or attribute) whose values a cast may have rounded."""
+def wide_twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> tuple[frozenset[int], frozenset[int]]:
+    """The candidate's parameters kept wider than ``dtype`` (norms held in float32 inside a bfloat16 model) whose
+    values a reference parameter provably holds: ``(ids of the reference parameters the lifted reference must
+    leave unrounded, ids of those candidate parameters)``. A wide parameter holding the reference's exact values
+    keeps its twin unrounded; one holding its rounded values (a norm cast and then widened) needs nothing; one
+    matching neither is not proven, and its module is not lifted."""
+    wide = [p for p in unwrap(candidate).parameters() if p.is_floating_point() and p.dtype != dtype]
+    if not wide:
+        return frozenset(), frozenset()
+    sizes = {p.numel() for p in wide}
+    exact: dict[tuple[object, ...], int] = {}
+    rounded: set[tuple[object, ...]] = set()
+    for param in unwrap(reference).parameters():
+        if param.is_floating_point() and param.numel() in sizes:
+            exact.setdefault(_values_key(param), id(param))
+            rounded.add(_values_key(param.detach().to(dtype)))
+    keep, proven = set(), set()
+    for param in wide:
+        key = _values_key(param)
+        if key in exact:
+            keep.add(exact[key])
+            proven.add(id(param))
+        elif key in rounded:
+            proven.add(id(param))
+    return frozenset(keep), frozenset(proven)
+
+
+def _values_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Shape and a digest of the float32 values: equal keys, equal values (a collision is 2**-128)."""
+    import hashlib
+
+    values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+    return tuple(tensor.shape), hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
+
+
+def _rounded_state(model: nn.Module, dtype: torch.dtype, proven: frozenset[int] = frozenset()) -> set[str]:
+    """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype`` (unless ``proven``:
+    see :func:`wide_twins`), or another floating-point tensor (buffer or attribute) whose values a cast may have
+    rounded."""
     flagged = []
     for path, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
+        params = [p for p in params if id(p) not in proven]
         others = [b for b in module.buffers(recurse=False) if b is not None]
         others += [v for v in vars(module).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
         if params or any(t.is_floating_point() and not _cast_proof(t) for t in others):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment
-from paritylab.comparison.lifted import LIFTED_DTYPE, LiftedReplay, lifts, same_weights, unwrap
+from paritylab.comparison.lifted import LIFTED_DTYPE, LiftedReplay, lifts, same_weights, unwrap, wide_twins
 from paritylab.comparison.replay import isolated_replay
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.tracefile import Trace
@@ -69,7 +69,9 @@ def lift(
     traces: list[Trace] = []
     steps = (  # one float32 copy alive at a time
         lambda: _traced(
-            lifted_reference(reference, dtype), widened(reference_call, dtype), directory / "lifted-reference"
+            lifted_reference(reference, dtype, candidate),
+            widened(reference_call, dtype),
+            directory / "lifted-reference",
         ),
         lambda: isolated_replay(
             lifted_candidate(candidate, dtype), widened(candidate_call, dtype), traces[0], candidate_trace,
@@ -118,9 +120,11 @@ SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
 code differing is taken for a precision the copy could not lift, not for bugs, and is not used."""
 
 
-def lifted_reference(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are)."""
-    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype)
+def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Module | None = None) -> nn.Module:
+    """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are), except
+    those whose exact values ``candidate`` keeps wider (:func:`~paritylab.comparison.lifted.wide_twins`)."""
+    unrounded = wide_twins(reference, candidate, dtype)[0] if candidate is not None else frozenset()
+    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, unrounded=unrounded)
 
 
 def lifted_candidate(candidate: nn.Module, dtype: torch.dtype) -> nn.Module:
