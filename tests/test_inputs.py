@@ -95,3 +95,36 @@ def test_a_cross_attention_fed_other_encoder_states_is_not_blamed(tmp_path, orde
     assert result.report.first_divergence is not None and result.report.first_divergence.path == "encoder"
     cross = next(row for row in result.report.rows if row.path == "decoder.cross")
     assert cross.input_verdict == "fail" and cross.input_diverged  # its encoder states differ
+
+
+def test_an_earlier_own_error_the_replay_finds_takes_the_headline_from_a_later_free_run_origin():
+    """Free run and replay reconciled: the free run named ``dec.layer`` (its input looked as if it agreed), the
+    isolated replay finds an own error at ``enc.pos_add``, earlier, whose free-run output diverges too, and none
+    at ``dec.layer``. The earlier one is where divergence starts; the reason says why; both stay listed."""
+    from paritylab.comparison.alignment import Alignment
+    from paritylab.comparison.replay import _name_culprit
+    from paritylab.comparison.report import Report, Row, Side
+
+    def row(index: int, path: str, diverged: bool, own: bool, parent: int | None = 0) -> Row:
+        made = Row(index, path, Side(f"{path}#0"), Side(f"{path}#0"), "compared", "fail" if diverged else "pass")
+        made.diverged, made.parent = diverged, parent
+        made.local = {"local_rel_l2": 0.02 if own else 0.0, "local_diverged": float(own)}
+        return made
+
+    root, encoder, decoder = (
+        row(0, "", True, False, None),
+        row(1, "enc.pos_add", True, True),
+        row(2, "dec.layer", True, False),
+    )
+    report = Report([root, encoder, decoder], Alignment(), decoder, [decoder], replay_origins=[encoder])
+    report.culprit_reason = "the earliest module whose output diverges while its input agrees"
+    _name_culprit(report, low_precision=False)
+    assert report.first_divergence is encoder and [r.path for r in report.origins] == ["enc.pos_add", "dec.layer"]
+    assert report.culprit_reason == (
+        "its own error (isolated replay) diverges before the free-run origin dec.layer, whose own error does not"
+    )
+    # an enclosing module's own code is not "earlier": a parent starts before its children
+    parent, child = row(1, "dec", True, True), row(2, "dec.layer", True, False, parent=1)
+    nested = Report([root, parent, child], Alignment(), child, [child], replay_origins=[parent])
+    _name_culprit(nested, low_precision=False)
+    assert nested.first_divergence is child

@@ -406,6 +406,8 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
 
     - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
     - a free-run origin whose own error the replay confirms stands;
+    - else a module before it (not enclosing it) whose own error the replay finds, and whose free-run output
+      diverges too, is where divergence starts: the free-run origin's input only looked as if it agreed;
     - else the replay's earliest own error inside the free-run origin is more precise, and in low
       precision, where free-run divergence is judged against a wide tolerance, the replay's earliest own
       error (judged against the local noise floor) is named;
@@ -422,8 +424,20 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
         return
     by_index = {row.index: row for row in report.rows}
     inside = [row for row in replayed if first is not None and first.index in ancestors(row, by_index)]
+    earlier = [
+        row
+        for row in replayed
+        if first is not None
+        and row.index < first.index
+        and row.diverged
+        and row.index not in ancestors(first, by_index)
+    ]
     chosen: Row | None = None
-    if inside:
+    if earlier:  # the free run took a later module for the start: its input only looked like it agreed
+        chosen = earlier[0]
+        reason = f"its own error (isolated replay) diverges before the free-run origin {first.path or '<root>'}"
+        reason += ", whose own error does not" if first is not None and not first.local.get("local_diverged") else ""
+    elif inside:
         chosen, reason = inside[0], "its own error (isolated replay) diverges inside the free-run origin"
     elif low_precision or first is None:
         if first is None and report.passed:
