@@ -10,7 +10,7 @@ receives reference inputs, and every recorded output carries only the error of t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -71,12 +71,18 @@ def isolated_replay(
 
 @contextmanager
 def teacher_forcing(
-    candidate: nn.Module, reference: Trace, candidate_trace: Trace, alignment: Alignment, within: str | None = None
+    candidate: nn.Module,
+    reference: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    within: str | None = None,
+    only: Collection[str] | None = None,
 ) -> Iterator[int]:
     """While inside, every aligned call of ``candidate`` returns the reference's value (yields how many calls
     are replaced). Hooks registered inside see the replaced outputs. Given ``within`` (a candidate call key),
-    that call and the calls inside it run as they are: only what feeds it is forced."""
-    plan = _plan(reference, candidate_trace, alignment)
+    that call and the calls inside it run as they are: only what feeds it is forced. Given ``only`` (candidate
+    call keys), just those calls are forced."""
+    plan = _plan(reference, candidate_trace, alignment, only)
     if within is not None:
         for key in _inside(candidate_trace, within):
             plan.pop(key, None)
@@ -100,10 +106,82 @@ def _inside(trace: Trace, key: str) -> set[str]:
     return {trace.calls[index].key for index in inside}
 
 
-def _plan(reference: Trace, candidate: Trace, alignment: Alignment) -> dict[str, list[_Replacement]]:
-    """Candidate call key -> the reference values to put into its output."""
+def layer_replay(
+    candidate: nn.Module,
+    run: Callable[[nn.Module], Any],
+    reference: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    layers: Collection[str],
+) -> dict[str, float]:
+    """Each of ``layers`` (candidate call keys: a tower's numbered blocks) fed the reference's input and run
+    whole: the candidate runs once more with only those calls' outputs forced to the reference's, so each
+    layer's output error is everything that happens inside it and nothing before. Returns candidate call key ->
+    that relative L2 error (what a per-layer "own error" chart shows: the isolated replay's own error of a
+    layer is only its code between its children). Nothing is written: each output is measured as it is made."""
+    wanted = {
+        pair.candidate: found
+        for pair in alignment.pairs
+        if pair.candidate in layers and (found := _replacement(reference, candidate_trace, pair)) is not None
+    }
+    errors: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    paths = {key.rsplit("#", 1)[0] for key in wanted}
+
+    def measure(path: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: tuple[Any, ...], output: Any) -> None:
+            key = f"{path}#{counts.get(path, 0)}"
+            counts[path] = counts.get(path, 0) + 1
+            target = wanted.get(key)
+            value = _slot(output, target.slot.split(".")[1:]) if target is not None else None
+            if target is None or not isinstance(value, torch.Tensor):
+                return
+            if target.cut is not None:
+                value = target.cut.select(value)
+            expected = target.value.to(device=value.device, dtype=torch.float64)
+            if value.shape == expected.shape:
+                difference = float(torch.linalg.vector_norm(value.detach().to(torch.float64) - expected))
+                errors[key] = difference / max(float(torch.linalg.vector_norm(expected)), 1e-30)
+
+        return hook
+
+    with teacher_forcing(candidate, reference, candidate_trace, alignment, only=set(wanted)):
+        handles = [  # before the forcing hooks: they see the layer's own output, not the reference's
+            module.register_forward_hook(measure(path), prepend=True)
+            for path, module in candidate.named_modules()
+            if path in paths
+        ]
+        try:
+            with torch.no_grad():
+                run(candidate)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return errors
+
+
+def _slot(value: Any, parts: list[str]) -> Any:
+    """The value at ``parts`` (a slot path without its ``outputs`` head) inside a module's output."""
+    for head in parts:
+        if isinstance(value, tuple | list) and head.isdigit() and int(head) < len(value):
+            value = value[int(head)]
+        elif isinstance(value, Mapping) and head in value:
+            value = value[head]
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, head):
+            value = getattr(value, head)
+        else:
+            return None
+    return value
+
+
+def _plan(
+    reference: Trace, candidate: Trace, alignment: Alignment, only: Collection[str] | None = None
+) -> dict[str, list[_Replacement]]:
+    """Candidate call key -> the reference values to put into its output (for the calls in ``only``, if given)."""
     plan: dict[str, list[_Replacement]] = {}
     for pair in alignment.pairs:
+        if only is not None and pair.candidate not in only:
+            continue
         replacement = _replacement(reference, candidate, pair)
         if replacement is not None:
             plan.setdefault(pair.candidate, []).append(replacement)
@@ -433,7 +511,7 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
         and row.index not in ancestors(first, by_index)
     ]
     chosen: Row | None = None
-    if earlier:  # the free run took a later module for the start: its input only looked like it agreed
+    if earlier and first is not None:  # the free run took a later module for the start: its input only seemed to agree
         chosen = earlier[0]
         reason = f"its own error (isolated replay) diverges before the free-run origin {first.path or '<root>'}"
         reason += ", whose own error does not" if first is not None and not first.local.get("local_diverged") else ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,9 +53,9 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
     series: list[Series] = []
     for tower, rows in towers.items():
         series.append((f"{tower} (rel L2)", [(float(n), _positive(r.rel_l2)) for n, r in rows], False))
-        local = [(float(n), _positive(r.local.get("local_rel_l2"))) for n, r in rows]
+        local = [(float(n), _positive(own_error(r))) for n, r in rows]
         if any(value > _FLOOR for _, value in local):
-            series.append((f"{tower} (own error, replay)", local, True))
+            series.append((f"{tower} (own error: the layer fed the reference's input)", local, True))
     if not towers:  # no numbered layers: every compared module in execution order
         compared = [r for r in report.rows if r.rel_l2 is not None]
         series.append(("modules", [(r.index, _positive(r.rel_l2)) for r in compared], False))
@@ -63,26 +63,46 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
     written[0].write_text(line_chart(series, "Divergence against depth", "layer" if towers else "call index"))
     labels, matrix = _heatmap_data(towers)
     if labels:
-        columns = ["rel_l2", "max_abs", "1-cosine", "frac_outside", "own (replay)"]
+        columns = ["rel_l2", "1-cosine", "outside", "own error"]
         written.append(directory / "layer_heatmap.svg")
-        written[1].write_text(heatmap(labels, columns, matrix, "log10 divergence per layer"))
+        title = "divergence per layer, against its tolerance"
+        written[1].write_text(heatmap(labels, columns, matrix, title, relative=True))
     return written
 
 
-def trend_heatmap(histories: dict[str, list[tuple[int, float]]], title: str) -> str:
+def own_error(row: Row) -> float | None:
+    """A layer's own error for charts: its output fed the reference's input, everything inside it included
+    (``layer_rel_l2``, from :func:`~paritylab.comparison.replay.layer_replay`), else the isolated replay's."""
+    value = row.local.get("layer_rel_l2", row.local.get("local_rel_l2"))
+    return None if value is None else float(value)
+
+
+def trend_heatmap(
+    histories: dict[str, list[tuple[int, float]]], title: str, limits: dict[str, float] | None = None
+) -> str:
     """Layer × night: ``histories`` maps a layer to its ``(timestamp ms, relative error)`` points; columns
     are the nights (dates, oldest first), cells log10 of the error (a night without a point is left at the
-    bottom of the scale)."""
+    bottom of the scale). Given ``limits`` (a layer's relative tolerance), cells are the error against it:
+    within tolerance calm, over it alarming."""
     import datetime
 
     stamps = sorted({stamp for points in histories.values() for stamp, _ in points})
     columns = [datetime.datetime.fromtimestamp(stamp / 1000, datetime.UTC).strftime("%m-%d %H:%M") for stamp in stamps]
     labels = sorted(histories)
     matrix = []
+    limits = limits or {}
+    relative = bool(limits) and all(limits.get(label, 0) > 0 for label in labels)
     for label in labels:
-        by_stamp = dict(histories[label])
-        matrix.append([math.log10(_positive(by_stamp.get(stamp))) for stamp in stamps])
-    return heatmap(labels, columns, matrix, title)
+        by_stamp, limit = dict(histories[label]), limits.get(label, 1.0) if relative else 1.0
+        matrix.append([_log_ratio(by_stamp.get(stamp), limit) for stamp in stamps])
+    return heatmap(labels, columns, matrix, title, relative=relative)
+
+
+def _log_ratio(value: float | None, limit: float | None) -> float:
+    """log10 of ``value / limit`` (a missing or zero value sits at the bottom of the scale)."""
+    if not limit or limit <= 0:
+        return math.log10(_positive(value))
+    return math.log10(_positive(value) / limit) if value else _RELATIVE_RANGE[0]
 
 
 def line_chart(series: Sequence[Series], title: str, x_label: str) -> str:
@@ -127,8 +147,30 @@ def line_chart(series: Sequence[Series], title: str, x_label: str) -> str:
     return "\n".join([*parts, "</svg>\n"])
 
 
-def heatmap(labels: Sequence[str], columns: Sequence[str], matrix: Sequence[Sequence[float]], title: str) -> str:
-    """A labelled grid of cells coloured by value on the ``_LOG_RANGE`` scale, with a colour bar."""
+def heatmap(
+    labels: Sequence[str],
+    columns: Sequence[str],
+    matrix: Sequence[Sequence[float]],
+    title: str,
+    relative: bool = False,
+) -> str:
+    """A labelled grid of cells coloured by value on the ``_LOG_RANGE`` scale, with a colour bar. ``relative``:
+    the values are log10 of a ratio to a tolerance, drawn on a scale that is calm (greens) up to 1 and alarming
+    (orange to dark red) above it, with the tolerance marked on the bar."""
+    if relative:
+        return _heatmap(labels, columns, matrix, title, _RELATIVE_RANGE, _relative_colour, "× tolerance")
+    return _heatmap(labels, columns, matrix, title, _LOG_RANGE, _colour, "")
+
+
+def _heatmap(
+    labels: Sequence[str],
+    columns: Sequence[str],
+    matrix: Sequence[Sequence[float]],
+    title: str,
+    scale: tuple[int, int],
+    colour: Callable[[float], str],
+    unit: str,
+) -> str:
     cell_w, cell_h, top = 90, 16, 60
     left = max(150, 10 + 7 * max((len(label) for label in labels), default=0))  # room for the longest label
     bar_h = max(cell_h * len(labels), 120)
@@ -140,39 +182,55 @@ def heatmap(labels: Sequence[str], columns: Sequence[str], matrix: Sequence[Sequ
         y = top + row * cell_h
         parts.append(_text(left - 6, y + cell_h - 4, label, anchor="end"))
         for column, value in enumerate(values):
-            colour = _colour(value)
+            said = f"{10**value:.2g}{unit}" if unit else f"1e{value:.1f}"
             parts.append(
-                f'<rect x="{left + column * cell_w}" y="{y}" width="{cell_w}" height="{cell_h}" fill="{colour}">'
-                f"<title>{escape(label)} {escape(columns[column])}: 1e{value:.1f}</title></rect>"
+                f'<rect x="{left + column * cell_w}" y="{y}" width="{cell_w}" height="{cell_h}" '
+                f'fill="{colour(value)}"><title>{escape(label)} {escape(columns[column])}: {escape(said)}</title>'
+                "</rect>"
             )
-    bar_x, low, high = left + cell_w * len(columns) + 20, *_LOG_RANGE
+    bar_x, (low, high) = left + cell_w * len(columns) + 20, scale
     for step in range(high - low):
         bar_y = top + step * bar_h / (high - low)
         parts.append(
             f'<rect x="{bar_x}" y="{bar_y:.1f}" width="14" height="{bar_h / (high - low) + 0.5:.1f}" '
-            f'fill="{_colour(high - step - 0.5)}"/>'
+            f'fill="{colour(high - step - 0.5)}"/>'
         )
-    parts.append(_text(bar_x + 18, top + 8, f"1e{high}"))
-    parts.append(_text(bar_x + 18, top + bar_h, f"1e{low}"))
+    parts.append(_text(bar_x + 18, top + 8, f"1e{high}{unit}"))
+    parts.append(_text(bar_x + 18, top + bar_h, f"1e{low}{unit}"))
+    if unit:  # where the tolerance sits on the bar
+        mark = top + high * bar_h / (high - low)
+        parts.append(f'<line x1="{bar_x - 3}" x2="{bar_x + 17}" y1="{mark:.1f}" y2="{mark:.1f}" stroke="#000"/>')
+        parts.append(_text(bar_x + 18, mark + 4, "tolerance"))
     return "\n".join([*parts, "</svg>\n"])
 
 
 def _heatmap_data(towers: dict[str, list[tuple[int, Row]]]) -> tuple[list[str], list[list[float]]]:
+    """Per layer, each measure against what its tolerance allows (log10 of the ratio): relative errors against
+    the relative tolerance (``rtol``, or the noise floor's allowance where that is wider), ``1-cosine`` against
+    what that error would give (``rtol**2 / 2``), the share of elements outside their tolerance against
+    one element in a thousand."""
     labels: list[str] = []
     matrix: list[list[float]] = []
     for tower, rows in towers.items():
         for number, row in rows:
+            limit = relative_limit(row)
             cosine = row.metrics.get("cosine")
             values = [
-                row.rel_l2,
-                row.metrics.get("max_abs"),
-                None if cosine is None else 1 - cosine,
-                row.metrics.get("frac_outside"),
-                row.local.get("local_rel_l2"),
+                _log_ratio(row.rel_l2, limit),
+                _log_ratio(None if cosine is None else 1 - cosine, limit * limit / 2),
+                _log_ratio(row.metrics.get("frac_outside"), 1e-3),
+                _log_ratio(own_error(row), limit),
             ]
             labels.append(layer_label(f"{tower}.{number}"))
-            matrix.append([math.log10(_positive(v)) for v in values])
+            matrix.append(values)
     return labels, matrix
+
+
+def relative_limit(row: Row, noise_multiple: float = 4.0) -> float:
+    """The relative L2 error a row may show before it counts as diverging: its ``rtol`` (float32's when it has
+    none), or ``noise_multiple`` times its noise floor where that is wider."""
+    rtol = row.tolerance.rtol if row.tolerance is not None and row.tolerance.rtol > 0 else 1.3e-6
+    return max(rtol, noise_multiple * row.floor) if row.floor else rtol
 
 
 def layer_label(path: str) -> str:
@@ -187,13 +245,31 @@ def layer_label(path: str) -> str:
 def _colour(log_value: float) -> str:
     """Reversed magma colour of a log10 value on the ``_LOG_RANGE`` scale."""
     low, high = _LOG_RANGE
-    position = min(max((log_value - low) / (high - low), 0.0), 1.0)
-    for (start, first), (end, second) in itertools.pairwise(_MAGMA):
+    return _ramp(_MAGMA, min(max((log_value - low) / (high - low), 0.0), 1.0))
+
+
+_RELATIVE_RANGE = (-6, 3)
+"""log10 range of a tolerance-relative colour scale: a millionth of the tolerance to a thousand times it."""
+_CALM = ((0.0, (247, 252, 245)), (1.0, (161, 217, 155)))
+_ALARM = ((0.0, (254, 178, 76)), (0.5, (227, 26, 28)), (1.0, (103, 0, 13)))
+
+
+def _relative_colour(log_ratio: float) -> str:
+    """Pale to light green up to the tolerance (log ratio 0), orange to dark red above it."""
+    low, high = _RELATIVE_RANGE
+    if log_ratio <= 0:
+        return _ramp(_CALM, min(max((log_ratio - low) / -low, 0.0), 1.0))
+    return _ramp(_ALARM, min(log_ratio / high, 1.0))
+
+
+def _ramp(anchors: Sequence[tuple[float, tuple[int, int, int]]], position: float) -> str:
+    for (start, first), (end, second) in itertools.pairwise(anchors):
         if position <= end:
-            weight = (position - start) / (end - start)
+            weight = (position - start) / ((end - start) or 1)
             red, green, blue = (round(a + (b - a) * weight) for a, b in zip(first, second, strict=True))
             return f"#{red:02x}{green:02x}{blue:02x}"
-    return "#000004"
+    red, green, blue = anchors[-1][1]
+    return f"#{red:02x}{green:02x}{blue:02x}"
 
 
 def _integer_ticks(low: float, high: float, count: int = 10) -> list[int]:

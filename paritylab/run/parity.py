@@ -22,7 +22,7 @@ from torch import nn
 from paritylab.comparison.alignment import Alignment, Rule, align
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
-from paritylab.comparison.replay import attach_replay, isolated_replay
+from paritylab.comparison.replay import attach_replay, isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.lifting import cast_call, lift
@@ -251,7 +251,30 @@ def judge_with_replay(
     if floors is not None and floors.from_candidate:
         floors = replace(floors, local_metrics=local_floors(reference_trace, replayed, report.alignment))
     local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
-    return attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted), floors
+    judged = attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted)
+    if not judged.passed:
+        add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
+    return judged, floors
+
+
+def add_layer_errors(
+    report: Report, candidate: nn.Module, candidate_call: Call, reference_trace: Trace, candidate_trace: Trace
+) -> None:
+    """Each numbered block's error fed the reference's input, everything inside it included (``layer_rel_l2`` in
+    its row's ``local``; :func:`~paritylab.comparison.replay.layer_replay`): what the per-layer "own error" charts
+    show, so the layer that holds a bug stands out. One more candidate forward, on failing runs only."""
+    from paritylab.reports.plots import LAYER
+
+    rows = {
+        row.candidate.key: row
+        for row in report.rows
+        if row.candidate is not None and row.status == "compared" and LAYER.match(row.path)
+    }
+    if not rows:
+        return
+    errors = layer_replay(candidate, candidate_call, reference_trace, candidate_trace, report.alignment, set(rows))
+    for key, error in errors.items():
+        rows[key].local["layer_rel_l2"] = error
 
 
 def judge_whole_graph(

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from paritylab.comparison.report import Report
-from paritylab.reports.plots import LAYER, layer_rows
+from paritylab.reports.plots import LAYER, layer_rows, own_error, relative_limit
 from paritylab.reports.render import to_markdown
 from paritylab.sink.tracking import Metric, log10_for_charts, metric_key
 from paritylab.tracing.files import write_json
@@ -78,10 +78,12 @@ def report_metrics(report: Report) -> list[Metric]:
                 _add(metrics, f"layer/{row.path}/rel_l2", row.rel_l2, 0)
             _add(metrics, f"layer/{row.path}/max_abs", row.metrics.get("max_abs"), 0)
             _add(metrics, f"layer/{row.path}/local_rel_l2", row.local.get("local_rel_l2"), 0)
+            _add(metrics, f"layer/{row.path}/layer_rel_l2", row.local.get("layer_rel_l2"), 0)
+            _add(metrics, f"layer/{row.path}/limit", relative_limit(row), 0)
     for tower, rows in layer_rows(report).items():
         for number, row in rows:
             _add(metrics, f"depth/{tower}/log10_rel_l2", log10_for_charts(row.rel_l2), number)
-            _add(metrics, f"depth/{tower}/log10_own_rel_l2", log10_for_charts(row.local.get("local_rel_l2")), number)
+            _add(metrics, f"depth/{tower}/log10_own_rel_l2", log10_for_charts(own_error(row)), number)
             cosine = row.metrics.get("cosine")
             _add(
                 metrics,

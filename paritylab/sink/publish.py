@@ -246,7 +246,9 @@ def _trend_point(store: Store, record: RunRecord, directory: Path, fingerprint: 
     if histories:
         path = directory / "report" / "trend_heatmap.svg"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(trend_heatmap(histories, f"log10 rel L2 per layer and night: {record.run_name}"))
+        limits = {_layer(m.key.removesuffix("/limit")): m.value for m in record.metrics if m.key.endswith("/limit")}
+        title = f"rel L2 per layer and night, against its tolerance: {record.run_name}"
+        path.write_text(trend_heatmap(histories, title, limits))
         store.log_artifact_to(trend, path)
 
 
