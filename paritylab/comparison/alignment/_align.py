@@ -1,0 +1,234 @@
+"""The public entry, :func:`align`: the pairing stages in order of precedence, each a named function over one
+shared :class:`_Pairing` (what both sides hold and what is paired so far)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from paritylab.comparison.alignment._fingerprints import _by_fingerprint
+from paritylab.comparison.alignment._fused import _by_parts
+from paritylab.comparison.alignment._pairs import Pair
+from paritylab.comparison.alignment._rescue import _rescue
+from paritylab.comparison.alignment._result import Alignment, _alignment
+from paritylab.comparison.alignment._rules import Rule, _by_rule
+from paritylab.comparison.alignment._runs import _by_runs
+from paritylab.comparison.alignment._sequence import _align_segments, _monotone_chain
+from paritylab.comparison.alignment._shapes import _primary_input
+from paritylab.comparison.alignment._weight_reads import _read_prints
+from paritylab.tracing.structure import ModulePrint
+from paritylab.tracing.tracefile import CallRecord, Trace
+
+
+def align(reference: Trace, candidate: Trace, rules: Iterable[Rule] = (), *, pinned: bool = False) -> Alignment:
+    """Align the calls of two traces from evidence a numerical bug cannot change.
+
+    In order: the user's rules; parameter fingerprints (equal weights, up to layout and cast, are the same
+    module; a module whose weight rows are part of a fused one is paired with that part); identical paths
+    where fingerprints do not contradict them; then order, shape, class and names between those anchors.
+    Output statistics never decide a pair. Calls that return their own input (hook points, ``nn.Identity``,
+    eval dropout) are folded: listed, never paired.
+
+    ``pinned``: ``rules`` are a frozen alignment (``report/alignment.yaml`` of an earlier run) and the only
+    evidence: nothing else is paired, and a rule whose candidate call no longer exists is listed in
+    :attr:`Alignment.lost`.
+    """
+    rules = list(rules)
+    state = _Pairing.of(reference, candidate)
+    _propose(state, rules, pinned=pinned)
+    return state.alignment(pinned=pinned)
+
+
+def _propose(state: _Pairing, rules: list[Rule], *, pinned: bool) -> None:
+    """Every pairing stage, in order of precedence: each pairs only what the ones before it left open."""
+    _pair_by_rules(state, rules)
+    if pinned:
+        return
+    state.open_ref = state.left_by_rules()
+    if state.structured:
+        _pair_by_fingerprints(state)
+    _pair_by_paths(state)
+    if state.structured:
+        _pair_by_parts(state)
+        _pair_by_runs(state)
+    _pair_in_order(state)
+    _pair_out_of_order(state)
+
+
+@dataclass
+class _Pairing:
+    """Both sides' calls and fingerprints, and what the stages have paired so far (by position in each side's
+    call list)."""
+
+    ref_calls: list[CallRecord]
+    cand_calls: list[CallRecord]
+    folded_ref: set[int]
+    folded_cand: set[int]
+    cand_by_key: dict[str, CallRecord]
+    ref_keys: set[str]
+    cand_position: dict[str, int]
+    ref_prints: dict[str, ModulePrint]
+    cand_prints: dict[str, ModulePrint]
+    taken: set[int]
+    """Candidate calls no longer open: folded, or paired whole (a pair with a candidate part leaves it open)."""
+    fixed: dict[int, tuple[int, Pair]] = field(default_factory=dict)
+    """Pairs from rules and weights: the anchors of the ordered pass."""
+    ignored: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    open_ref: list[int] = field(default_factory=list)
+    """Reference calls no stage has paired yet (from the rules on)."""
+    automatic: dict[int, Pair] = field(default_factory=dict)
+    """Pairs from order and structure: the ordered pass between anchors, then the rescue."""
+
+    @classmethod
+    def of(cls, reference: Trace, candidate: Trace) -> _Pairing:
+        ref_calls, cand_calls = reference.calls, candidate.calls
+        folded_ref, folded_cand = _folded(ref_calls), _folded(cand_calls)
+        cand_by_key = {call.key: call for i, call in enumerate(cand_calls) if i not in folded_cand}
+        ref_keys = {call.key for call in ref_calls}
+        cand_position = {call.key: position for position, call in enumerate(cand_calls)}
+        ref_prints, cand_prints = _read_prints(reference, candidate)
+        return cls(
+            ref_calls,
+            cand_calls,
+            folded_ref,
+            folded_cand,
+            cand_by_key,
+            ref_keys,
+            cand_position,
+            ref_prints,
+            cand_prints,
+            taken=set(folded_cand),
+        )
+
+    @property
+    def structured(self) -> bool:
+        """Both traces carry parameter fingerprints."""
+        return bool(self.ref_prints and self.cand_prints)
+
+    def fix(self, i: int, j: int, pair: Pair) -> None:
+        self.fixed[i] = (j, pair)
+        if pair.candidate_part is None:
+            self.taken.add(j)
+
+    def left_by_rules(self) -> list[int]:
+        skipped = set(self.fixed) | self.folded_ref
+        return [i for i in range(len(self.ref_calls)) if i not in skipped and self.ref_calls[i].key not in self.ignored]
+
+    def close(self) -> None:
+        """Drop what the last stage paired from :attr:`open_ref`."""
+        self.open_ref = [i for i in self.open_ref if i not in self.fixed]
+
+    def skipped_ref(self) -> set[int]:
+        """Reference calls the ordered pass leaves alone: fixed, folded or left unmatched by a rule."""
+        return (
+            set(self.fixed) | self.folded_ref | {i for i, call in enumerate(self.ref_calls) if call.key in self.ignored}
+        )
+
+    def skipped_cand(self) -> set[int]:
+        return set(self.taken) | {c for c, _ in self.fixed.values()}
+
+    def alignment(self, *, pinned: bool) -> Alignment:
+        lost = self.lost if pinned else []
+        return _alignment(
+            self.ref_calls,
+            self.cand_calls,
+            self.fixed,
+            self.ignored,
+            self.folded_ref,
+            self.folded_cand,
+            lost,
+            self.automatic,
+        )
+
+
+def _folded(calls: list[CallRecord]) -> set[int]:
+    """Calls that compute nothing new: those returning their own input, and a module called again on the
+    very tensor an earlier call of it received (TransformerLens normalises the same residual for q, k and v)."""
+    folded: set[int] = set()
+    seen: set[tuple[str, str]] = set()
+    for position, call in enumerate(calls):
+        if call.identity:
+            folded.add(position)
+            continue
+        node = _primary_input(call)
+        ref = node.get("ref") if node else None
+        if ref is None:
+            continue
+        if (call.path, ref) in seen:
+            folded.add(position)
+        seen.add((call.path, ref))
+    return folded
+
+
+def _pair_by_rules(state: _Pairing, rules: list[Rule]) -> None:
+    """The user's rules (or a pinned alignment): a pair, a call left unmatched on purpose, or a lost call."""
+    for position, call in enumerate(state.ref_calls):
+        if position in state.folded_ref:
+            continue
+        pair = _by_rule(call, rules, state.cand_by_key, state.lost, state.ref_keys)
+        if pair is None:
+            state.ignored.append(call.key)
+        elif isinstance(pair, Pair) and state.cand_position[pair.candidate] not in state.taken:
+            state.fix(position, state.cand_position[pair.candidate], pair)
+
+
+def _pair_by_fingerprints(state: _Pairing) -> None:
+    """Modules holding equal weights (:mod:`._fingerprints`)."""
+    known = {i: j for i, (j, _) in state.fixed.items()}
+    for i, j, pair in _by_fingerprint(
+        state.ref_calls, state.cand_calls, state.open_ref, state.taken, state.ref_prints, state.cand_prints, known
+    ):
+        state.fix(i, j, pair)
+    state.close()
+
+
+def _pair_by_paths(state: _Pairing) -> None:
+    """Identical paths, where the stages before left both calls open."""
+    for i in state.open_ref:
+        call = state.ref_calls[i]
+        other = state.cand_by_key.get(call.key)
+        if other is not None and state.cand_position[other.key] not in state.taken:
+            state.fix(i, state.cand_position[other.key], Pair(call.key, other.key, "identity"))
+    state.close()
+
+
+def _pair_by_parts(state: _Pairing) -> None:
+    """Parts of fused outputs (:mod:`._fused`)."""
+    for i, j, pair in _by_parts(
+        state.ref_calls, state.cand_calls, state.open_ref, state.taken, state.ref_prints, state.cand_prints
+    ):
+        state.fix(i, j, pair)
+    state.close()
+
+
+def _pair_by_runs(state: _Pairing) -> None:
+    """One module against a run of modules on the other side (:mod:`._runs`)."""
+    for i, j, pair in _by_runs(
+        state.ref_calls, state.cand_calls, state.open_ref, state.taken, state.ref_prints, state.cand_prints
+    ):
+        state.fix(i, j, pair)
+    state.close()
+
+
+def _pair_in_order(state: _Pairing) -> None:
+    """Order, shape, class and names between the anchors the stages before fixed (:mod:`._sequence`)."""
+    anchors = _monotone_chain(sorted((r, c) for r, (c, _) in state.fixed.items()))
+    state.automatic = _align_segments(
+        state.ref_calls,
+        state.cand_calls,
+        anchors,
+        state.skipped_ref(),
+        state.skipped_cand(),
+        state.ref_prints,
+        state.cand_prints,
+    )
+
+
+def _pair_out_of_order(state: _Pairing) -> None:
+    """What the ordered pass left, matched best-first on structure alone (:mod:`._rescue`)."""
+    taken_cand = state.skipped_cand() | {state.cand_position[pair.candidate] for pair in state.automatic.values()}
+    skip_ref = state.skipped_ref() | set(state.automatic)
+    state.automatic |= _rescue(
+        state.ref_calls, state.cand_calls, skip_ref, taken_cand, state.ref_prints, state.cand_prints
+    )

@@ -1,0 +1,105 @@
+"""Structural evidence that two calls are the same computation: output shape, layer numbers, names, class and
+weights, scored for the ordered pass and the rescue."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from paritylab.comparison.alignment._shapes import _primary, merged
+from paritylab.tracing.structure import ModulePrint
+from paritylab.tracing.tracefile import CallRecord
+
+_TOKEN = re.compile(r"[a-z]+|\d+")
+
+MIN_AUTO_SCORE = 0.3
+"""Between anchors, calls of equal output shape pair with at least this score (more with name evidence)."""
+MIN_STRUCTURE = 0.3
+"""Name evidence needed to pair two modules whose parameters differ."""
+
+
+@dataclass
+class _Features:
+    shape: tuple[int, ...] | None
+    tokens: frozenset[str]
+    name: frozenset[str]
+    cls: str
+    numbers: tuple[str, ...]
+    depth: int
+    weights: int | None = None
+    """The module's parameter fingerprint, when it holds parameters and the trace carries fingerprints."""
+    inner: frozenset[int] = frozenset()
+    """The fingerprints of its descendants that hold parameters."""
+    numel: int = 0
+    """How many parameter values its subtree holds (with :attr:`weights`)."""
+
+    @classmethod
+    def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
+        node = _primary(call.outputs)
+        leaf = call.path.rsplit(".", 1)[-1] if call.path else ""
+        return cls(
+            shape=tuple(node["shape"]) if node else None,
+            tokens=frozenset(_TOKEN.findall(f"{call.path} {call.cls}".lower())),
+            name=_bigrams(leaf.lower()),
+            cls=call.cls.lower(),
+            numbers=_layer_numbers(call.path),
+            depth=call.depth,
+            weights=item.digest if item is not None and item.numel else None,
+            inner=inner,
+            numel=item.numel if item is not None else 0,
+        )
+
+    def contradicts(self, other: _Features) -> bool:
+        """The weights rule the pair out: they differ, and either they are not even as many values (a
+        projection against a norm of the same output shape: a wrong weight conversion keeps the count, a
+        different module does not), or one side's weights are exactly those of a part of the other (a wrapper
+        around what the other computes plus more, such as a patch projection against a patch embedding that
+        also adds position embeddings)."""
+        if self.weights is None or other.weights is None or self.weights == other.weights:
+            return False
+        if self.numel != other.numel:
+            return True
+        return self.weights in other.inner or other.weights in self.inner
+
+    def similarity(self, other: _Features) -> float:
+        """0 unless output shapes agree and layer numbers do not rule the pair out; else structural
+        evidence, in (0, 1]. Modules of the same shape in the same place in the order pair on shape and
+        position alone, unless both hold parameters that differ: then names must agree too (a weight
+        conversion bug still pairs with its namesake, a different computation does not)."""
+        if self.shape is None or other.shape is None:
+            return 0.0
+        if self.shape != other.shape and not merged(self.shape, other.shape):
+            return 0.0
+        if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
+            return 0.0
+        if self.weights is not None and self.weights == other.weights:
+            return 1.0  # the same weights: as strong as evidence gets (a group the weights alone could not order)
+        structure = self.structure(other)
+        differ = self.weights is not None and other.weights is not None and self.weights != other.weights
+        if differ and (structure < MIN_STRUCTURE or self.contradicts(other)):
+            return 0.0
+        return MIN_AUTO_SCORE + (1 - MIN_AUTO_SCORE) * structure
+
+    def structure(self, other: _Features) -> float:
+        """Evidence from names alone: equal layer numbers, similar leaf names, shared tokens, same class."""
+        if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
+            return 0.0  # layer 3 is not layer 4, whatever the names say
+        numbers = 1.0 if self.numbers and self.numbers == other.numbers else 0.0
+        overlap = len(self.tokens & other.tokens) / max(1, min(len(self.tokens), len(other.tokens)))
+        return 0.5 * numbers + 0.3 * _dice(self.name, other.name) + 0.1 * overlap + 0.1 * (self.cls == other.cls)
+
+
+def _layer_numbers(path: str) -> tuple[str, ...]:
+    """Numeric path components followed by more components (``layers.3.mlp``): layer numbers. A numeric
+    leaf is a position inside a ``Sequential`` (``mlp.1``), not a layer."""
+    parts = path.split(".")
+    return tuple(part for part in parts[:-1] if part.isdigit())
+
+
+def _dice(a: frozenset[str], b: frozenset[str]) -> float:
+    return 2 * len(a & b) / (len(a) + len(b)) if a and b else 0.0
+
+
+def _bigrams(name: str) -> frozenset[str]:
+    padded = f"^{name}$"
+    return frozenset(padded[i : i + 2] for i in range(len(padded) - 1))

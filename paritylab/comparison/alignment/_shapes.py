@@ -1,0 +1,55 @@
+"""A call's primary input and output tensors, its output shape, and when two output shapes hold the same values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paritylab.tracing.tracefile import CallRecord
+from paritylab.tracing.values import Node, iter_tensors
+
+
+def _primary_input(call: CallRecord) -> Node | None:
+    return next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
+
+
+def _fits(ref: CallRecord, cand: CallRecord) -> bool:
+    """Output shapes that hold the same values (see :func:`shapes_fit`)."""
+    a, b = _shape(ref), _shape(cand)
+    return a is not None and b is not None and shapes_fit(a, b)
+
+
+def shapes_fit(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Equal, equal but for dimensions one side kept at 1 (:func:`broadcastable`), or equal but for leading
+    dimensions one side merged (:func:`merged`)."""
+    return list(a) == list(b) or broadcastable(a, b) or merged(a, b)
+
+
+def broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Same rank, and every dimension equal or 1 on one side: the same values, one side repeated."""
+    return len(a) == len(b) and all(x == y or x == 1 or y == 1 for x, y in zip(a, b, strict=True))
+
+
+def merged(a: Sequence[int], b: Sequence[int]) -> bool:
+    """The same values in the same order, one side with consecutive leading dimensions merged: ``[24, 64]``
+    against ``[2, 12, 64]`` (an implementation that flattens batch and sequence before its MLP)."""
+    if len(a) == len(b) or not a or not b or a[-1] != b[-1]:
+        return False
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    position = 0
+    for size in shorter[:-1]:
+        product = 1
+        while position < len(longer) - 1 and (product < size or longer[position] == 1):
+            product *= longer[position]
+            position += 1
+        if product != size:
+            return False
+    return all(size == 1 for size in longer[position:-1])
+
+
+def _shape(call: CallRecord) -> tuple[int, ...] | None:
+    node = _primary(call.outputs)
+    return tuple(node["shape"]) if node else None
+
+
+def _primary(outputs: Node | None) -> Node | None:
+    return next((node for _, node in iter_tensors(outputs, "outputs")), None)

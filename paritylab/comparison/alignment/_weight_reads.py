@@ -1,0 +1,81 @@
+"""Each side's parameter fingerprints, counting the weights its modules' code reads (not only which modules were
+called)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from paritylab.tracing.structure import MASK, ModulePrint, prints_from_meta, restrict_to_called
+from paritylab.tracing.tracefile import Trace
+
+
+def _read_prints(reference: Trace, candidate: Trace) -> tuple[dict[str, ModulePrint], dict[str, ModulePrint]]:
+    """Each side's fingerprints, counting the weights its modules' code reads, not which modules were called.
+
+    A module that never ran computed nothing of its own, but its weights may still be read by a called ancestor's
+    code: ``nn.MultiheadAttention`` reads ``out_proj.weight`` in ``F.multi_head_attention_forward`` and never
+    calls ``out_proj``. Such weights count in that ancestor's fingerprint (and above); the weights of a module
+    nothing reads (a norm kept for another configuration, an unused head) do not. A never-called module's weights
+    count as read when its nearest called ancestor called no module holding weights (that ancestor's own code
+    did all its subtree computes), or when adding them makes a called ancestor hold exactly the weights of a called
+    module on the other side (the same weights computed with there).
+    """
+    sides = []
+    for trace in (reference, candidate):
+        prints = prints_from_meta(trace.meta)
+        called = {call.path for call in trace.calls}
+        sides.append((prints, called, called | _read_by_own_code(prints, called)))
+    counted = [restrict_to_called(prints, used) for prints, _, used in sides]
+    computed = [  # (fingerprint, size) of each called module holding weights
+        {(item.digest, item.numel) for path, item in side.items() if path in called and item.numel}
+        for side, (_, called, _) in zip(counted, sides, strict=True)
+    ]
+    result = []
+    for (prints, called, used), restricted, other in zip(sides, counted, reversed(computed), strict=True):
+        read = _read_by_evidence(restricted, called, used, other)
+        result.append(restricted if not read else restrict_to_called(prints, used | read))
+    return result[0], result[1]
+
+
+def _ancestors(path: str) -> Iterable[str]:
+    """Proper ancestors of a module path, nearest first (the root ``""`` last)."""
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        yield path
+
+
+def _read_by_own_code(prints: Mapping[str, ModulePrint], called: set[str]) -> set[str]:
+    """Never-called modules holding weights whose nearest called ancestor called no module holding weights."""
+    running: set[str] = set()  # called modules below which a called module holding weights ran its own code
+    for path in called:
+        item = prints.get(path)
+        if path and item is not None and item.numel:
+            running.update(_ancestors(path))
+    read = set()
+    for path, item in prints.items():
+        if path in called or not item.params:
+            continue
+        caller = next((a for a in _ancestors(path) if a in called), None)
+        if caller is not None and caller not in running:
+            read.add(path)
+    return read
+
+
+def _read_by_evidence(
+    prints: Mapping[str, ModulePrint], called: set[str], used: set[str], other: set[tuple[int, int]]
+) -> set[str]:
+    """Never-called modules (not in ``used``) whose weights, added to a called ancestor's (``prints``: without
+    them), make that ancestor's fingerprint and size those of a called module on the other side (``other``)."""
+    read = set()
+    for path, item in prints.items():
+        if path in used or not item.params:
+            continue
+        own = sum(param.digest for param in item.params) & MASK
+        size = sum(math.prod(param.shape) for param in item.params)
+        for ancestor in _ancestors(path):
+            held = prints.get(ancestor)
+            if ancestor in called and held is not None and ((held.digest + own) & MASK, held.numel + size) in other:
+                read.add(path)
+                break
+    return read
