@@ -72,6 +72,13 @@ def _block_sites(layers: int, prefix: str, ln1: str, attn: str, ln2: str, mlp: s
     return {f"blocks.{i}.{ours}": (f"{prefix}.{i}.{theirs}",) for i in range(layers) for ours, theirs in parts.items()}
 
 
+def _hook_sites(layers: int, prefix: str, **points: str) -> dict[str, tuple[str, ...]]:
+    """TransformerLens' hook points ``blocks.{i}.<point>`` (identities that hand a value on) and the reference
+    module under ``{prefix}.{i}`` whose output that value is: an error planted at a hook point is an error in
+    that value, named at the module that computes it."""
+    return {f"blocks.{i}.{ours}": (f"{prefix}.{i}.{theirs}",) for i in range(layers) for ours, theirs in points.items()}
+
+
 def _seeded_reference(cls: Callable[[Any], nn.Module], config: Any) -> nn.Module:
     """The transformers reference, eager attention, seeded without touching the global random state."""
     config._attn_implementation = "eager"
@@ -102,7 +109,11 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
         "unembed": ("lm_head",),
     }
     sites |= _block_sites(layers, "transformer.h", "ln_1", "attn", "ln_2", "mlp")
-    return PairCase("gpt2/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+    hooks = _hook_sites(layers, "transformer.h", **{"mlp.hook_pre": "mlp.c_fc", "mlp.hook_post": "mlp.act"})
+    return PairCase(
+        "gpt2/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites | hooks,
+        unpaired=tuple(hooks),  # identities when clean: folded, never paired
+    )  # fmt: skip
 
 
 def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
@@ -120,9 +131,14 @@ def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     ids = _ids(256)
     sites = {"embed": ("model.embed_tokens",), "ln_final": ("model.norm",), "unembed": ("lm_head",)}
     sites |= _block_sites(layers, "model.layers", "input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    hooks = _hook_sites(
+        layers, "model.layers", **{"mlp.hook_pre": "mlp.gate_proj", "mlp.hook_pre_linear": "mlp.up_proj",
+                                   "mlp.hook_post": "mlp"}  # act(gate) * up: the MLP's own code makes it
+    )  # fmt: skip
     return PairCase(
-        "llama-gqa/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites
-    )
+        "llama-gqa/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids),
+        sites | hooks, unpaired=tuple(hooks),  # identities when clean: folded, never paired
+    )  # fmt: skip
 
 
 def neox(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:

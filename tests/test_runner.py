@@ -149,7 +149,8 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
     # of it would be judged against itself, so none is run.
     assert any("two forwards saved" in note for note in loose.notes)
     assert any("isolated replay not run: the candidate is the reference's own code" in n for n in loose.notes)
-    assert not (loose.directory / "noise-low").exists() and not (loose.directory / "noise-exact").exists()  # the reference trace is the exact side
+    # the reference's own trace is the floor's exact side: no other run
+    assert not (loose.directory / "noise-low").exists() and not (loose.directory / "noise-exact").exists()
     assert not (loose.directory / "replay").exists() and not any(row.local for row in loose.report.rows)
     assert "replay" not in json.loads((loose.directory / "run.json").read_text())["seconds"]
     assert not [a for a in client.list_artifacts(loose.run_id, "candidate") if a.path.endswith(".safetensors")]

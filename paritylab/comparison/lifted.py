@@ -58,6 +58,9 @@ class LiftedReplay:
     eligible: frozenset[str]
     """Reference call keys of the pairs whose weights are provably the same on both sides."""
     alignment: Alignment
+    observers: frozenset[str] = frozenset()
+    """Reference call keys of the pairs whose candidate module holds nothing (a hook point): judged only where
+    the comparison found it handed its counterpart's output (``Row.observed``), the value being the proof."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
@@ -71,7 +74,11 @@ class LiftedReplay:
 
     def _judge(self, tolerances: Tolerances) -> dict[str, Row]:
         report = compare_traces(self.reference, self.candidate, alignment=self.alignment, tolerances=tolerances)
-        rows = {row.reference.key: row for row in report.rows if row.reference.key in self.eligible}
+        rows = {
+            row.reference.key: row
+            for row in report.rows
+            if row.reference.key in self.eligible or (row.observed and row.reference.key in self.observers)
+        }
         for row in rows.values():
             if row.input_diverged and not self._floating_input(row):
                 row.input_diverged = False  # token or position ids: what each side chose to pass, not values
@@ -82,8 +89,8 @@ class LiftedReplay:
         tell: not compared, fed another value, or its code rounds to low precision itself)."""
         if row is None or row.status != "compared" or not row.diverged or row.input_diverged:
             return None
-        if self._rounds(row) or not self._fed_alike(row.reference.key):
-            return None
+        if self._rounds(row) or not (row.observed or self._fed_alike(row.reference.key)):
+            return None  # an observed row's input agreed with its counterpart's output: checked there
         error = relative_error(row.metrics)
         size = f"{error:.2e} relative error" if error is not None else "NaN/Inf"
         return f"own code differs with the same {self.dtype} weights computed in float32: {size}"
@@ -160,6 +167,23 @@ def same_weights(
         if sums[0] is not None and sums[0] == sums[1]:
             eligible.add(pair.reference)
     return frozenset(eligible)
+
+
+def weightless(
+    candidate: nn.Module, candidate_trace: Trace, alignment: Alignment, dtype: torch.dtype
+) -> frozenset[str]:
+    """Reference call keys of the pairs whose candidate module holds no parameter and no state a cast may have
+    rounded (a hook point): see :attr:`LiftedReplay.observers`."""
+    unsafe = _rounded_state(candidate, dtype)
+    found = set()
+    for pair in alignment.pairs:
+        if pair.reference_part or pair.candidate_part or pair.reference_input or pair.candidate_input:
+            continue
+        path = candidate_trace.call(pair.candidate).path
+        module = candidate.get_submodule(path) if path else candidate
+        if path not in unsafe and not any(True for _ in module.parameters()):
+            found.add(pair.reference)
+    return frozenset(found)
 
 
 def _holders(pair: Pair, alignment: Alignment, trace: Trace, side: str) -> list[CallRecord]:

@@ -93,6 +93,9 @@ class Row:
     not the row's own call."""
     outputs: list[OutputCheck] = field(default_factory=list)
     """Its call's other outputs, beside the compared slot (:mod:`paritylab.comparison.outputs`)."""
+    observed: bool = False
+    """Its counterpart is handed this call's output (a hook point paired with the module whose value it hands
+    on): its input was compared with this call's output (:mod:`paritylab.comparison.verify`)."""
 
     @property
     def input_call(self) -> int:
@@ -342,12 +345,17 @@ def compare_traces(
         ):
             whole.append((row, call, other))
     _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner)
+    from paritylab.comparison.verify import verify_pairs  # it reads rows: imported here, below this module
+
+    charged = verify_pairs(rows, reference, candidate, alignment, partner)
     _infer_inputs(rows, reference)
     origins = _localise(rows, reference)
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
-        if first.status == "unmatched":
+        if first.index in charged:
+            reason = charged[first.index]
+        elif first.status == "unmatched":
             reason = "divergence starts inside this module, which has no counterpart in the candidate"
     elif any(row.verdict == "fail" for row in rows):
         first = innermost([row for row in rows if row.verdict == "fail"], rows)[0]

@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment
-from paritylab.comparison.lifted import LIFTED_DTYPE, LiftedReplay, lifts, same_weights, unwrap, wide_twins
+from paritylab.comparison.lifted import (
+    LIFTED_DTYPE,
+    LiftedReplay,
+    lifts,
+    same_weights,
+    unwrap,
+    weightless,
+    wide_twins,
+)
 from paritylab.comparison.replay import isolated_replay
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.tracefile import Trace
@@ -91,7 +99,8 @@ def lift(
         if notes is not None:
             notes.append(f"lifted replay skipped: {problem}")
         return None
-    lifted = LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment)
+    observers = weightless(candidate, candidate_trace, alignment, dtype)
+    lifted = LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers)
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())
     if differing >= max(SYSTEMIC_MODULES, SYSTEMIC_SHARE * len(rows)):

@@ -1,0 +1,190 @@
+"""The alignment checked against the values: pairs that the structure proposed but the numbers refute.
+
+Alignment proposes pairs from structure, weights and order (:mod:`paritylab.comparison.alignment`). Two kinds of
+proposal can be wrong in a way that would move the blame, and the compared values show it:
+
+- **an observer paired with what it observes.** A hook point (an identity module that only hands a value on,
+  like TransformerLens' ``hook_post``) is folded when it returns its input; a bug planted at it makes it return
+  something else, and it is then paired like any module, with the module whose output it observes (``act``).
+  Its input is that module's *output*, not its input, so comparing inputs says "fed another value" and blames
+  the module before. Here the candidate's input is compared with the reference's output: when they agree, the
+  row's input agrees, and a difference on the way out is the observer's own (named at the module it observes).
+- **a near-identity paired with a transform.** The same planted hook point, paired by position with a module
+  that changes its values (``act``), differs from it by O(1) while it returns almost exactly its input, and
+  other calls of its class return their input exactly (folded: the class hands values on). That is not one
+  computation: the pair is undone (both calls left unmatched, the row says why), and the small change
+  the observer makes to the value it was handed is charged to the reference module that made that value (the
+  counterpart of the observer's input's producer), which is where divergence then starts.
+
+:func:`verify_pairs` runs after every pair is measured and before localisation. It only ever removes a pair or
+clears an input that only looked as if it differed; it never adds a pair.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from paritylab.comparison.alignment import Alignment, Pair
+from paritylab.comparison.metrics import Tolerance, divergence
+from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, relative_error
+from paritylab.tracing.tracefile import CallRecord, Node, Trace
+from paritylab.tracing.values import first_tensor_slot, iter_tensors
+
+CHANGED_AFTER = "changed_after_rel_l2"
+"""The metric a row charged with a change made after it carries: how much the candidate changed its value."""
+O1_ERROR = 0.25
+"""A pair whose outputs differ by this much relative L2 or more differs by O(1): far beyond any rounding, so it
+is checked for being a wrong pairing before it is believed to be a bug."""
+NEAR_IDENTITY = 0.1
+"""An observer changes the value it was handed by at most this share of the pair's error to count as a
+near-identity (a hook point with a planted change), against a module whose own change is large."""
+
+
+def verify_pairs(
+    rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment, partner: Mapping[int, int]
+) -> dict[int, str]:
+    """Check every compared whole pair against its values (see the module's text). Returns the rows charged
+    with a change the candidate makes after them (reference call index -> why), for the headline.
+
+    ``partner`` maps reference call indices to the candidate call indices they are paired with."""
+    charged: dict[int, str] = {}
+    by_index = {row.index: row for row in rows}
+    reverse = {cand: ref for ref, cand in partner.items()}
+    pairs = alignment.by_reference()
+    passing = {candidate.call(key).cls for key in alignment.folded_candidate}  # classes that hand values on
+    for row in rows:
+        if row.status != "compared" or row.candidate is None or row.tolerance is None:
+            continue
+        pair = pairs.get(row.reference.key)
+        if pair is None or not _whole(pair):
+            continue
+        call, other = reference.call(row.reference.key), candidate.call(row.candidate.key)
+        margin = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
+        unsure = row.input_diverged or not row.input_metrics  # fed another value, or one of another shape
+        if unsure and _observes(row, reference, candidate, call, other, margin):
+            continue
+        if other.cls not in passing:
+            continue  # a module whose kind computes something (an activation): a near-identity there is its bug
+        undone = _near_identity(row, reference, candidate, call, other)
+        if undone is None:
+            continue
+        change, producer = undone
+        _unpair(row, pair, alignment, other)
+        source = by_index.get(reverse.get(producer, -1)) if producer is not None else None
+        if source is None:  # made by code with no module on the candidate's side: find whose value it is
+            source = _observed(rows, row, reference, _value(candidate, _first(other, "inputs")), margin)
+        # its class's other calls hand their input on exactly: any change at this one is the bug, in any precision
+        if change > 0 and source is not None and source.status in ("compared", "unmatched") and not source.diverged:
+            source.diverged, source.verdict = True, "fail"
+            source.note = (
+                f"the candidate changes its value after it: {other.path} returns it with relative error "
+                f"{change:.3g} (code with no counterpart, such as a hook point)"
+            )
+            source.metrics[CHANGED_AFTER] = change
+            charged[source.index] = source.note
+    return charged
+
+
+def _whole(pair: Pair) -> bool:
+    return (
+        pair.reference_part is None
+        and pair.candidate_part is None
+        and pair.reference_input is None
+        and pair.candidate_input is None
+    )
+
+
+def _observes(row: Row, reference: Trace, candidate: Trace, call: CallRecord, other: CallRecord, margin: float) -> bool:
+    """The candidate call's input is the reference call's output (within the divergence margin): the row's
+    input agrees, compared output to output."""
+    handed = _value(candidate, _first(other, "inputs"))
+    made = _value(reference, _at(call, row.reference.slot))
+    if handed is None or made is None or handed.shape != made.shape or not handed.is_floating_point():
+        return False
+    metrics = divergence(made, handed, Tolerance(0.0, 0.0))
+    error = relative_error(metrics)
+    if error is None or error > margin:
+        return False
+    row.input_metrics, row.input_verdict, row.input_diverged, row.input_known = metrics, "pass", False, True
+    row.observed = True
+    row.note = "; ".join(filter(None, [row.note, f"its counterpart {other.path} is handed {call.path}'s output"]))
+    return True
+
+
+def _near_identity(
+    row: Row, reference: Trace, candidate: Trace, call: CallRecord, other: CallRecord
+) -> tuple[float, int | None] | None:
+    """``(how much the candidate call changes its input, the candidate call that produced that input)`` when
+    the pair differs by O(1) while the candidate call returns almost its input and the reference call does not
+    (a near-identity paired with a transform); else ``None``."""
+    error = row.rel_l2
+    if error is None or error < O1_ERROR:
+        return None
+    node = _first(other, "inputs")
+    handed, returned = (
+        _value(candidate, node),
+        _value(candidate, _at(other, row.candidate.slot if row.candidate else None)),
+    )
+    taken, made = _value(reference, _first(call, "inputs")), _value(reference, _at(call, row.reference.slot))
+    if any(value is None for value in (handed, returned, taken, made)):
+        return None
+    assert handed is not None and returned is not None and taken is not None and made is not None
+    if handed.shape != returned.shape:
+        return None
+    change = _relative(returned, handed)
+    transform = math.inf if taken.shape != made.shape else _relative(made, taken)  # a new shape: a transform
+    if change > NEAR_IDENTITY * error or transform < error / 2:
+        return None
+    row.note = (
+        f"not one computation: {other.path} returns its input changed by {change:.3g} where {call.path} changes "
+        f"it {'into another shape' if math.isinf(transform) else f'by {transform:.3g}'}, and the two outputs differ "
+        f"by {error:.3g}"
+    )
+    producer = node.get("from") if node is not None else None
+    return change, producer if isinstance(producer, int) else None
+
+
+def _observed(rows: list[Row], row: Row, reference: Trace, handed: torch.Tensor | None, margin: float) -> Row | None:
+    """The reference call beside ``row`` (same enclosing call) left without a counterpart whose output is the
+    value the candidate's observer was handed (within ``margin``): the module that computes that value."""
+    if handed is None or not handed.is_floating_point():
+        return None
+    for other in rows:
+        if other.parent != row.parent or other is row or other.status != "unmatched":
+            continue
+        made = _value(reference, _first(reference.calls[other.index], "outputs"))
+        if made is not None and made.shape == handed.shape and _relative(handed, made) <= margin:
+            return other
+    return None
+
+
+def _unpair(row: Row, pair: Pair, alignment: Alignment, other: CallRecord) -> None:
+    alignment.pairs.remove(pair)
+    alignment.unmatched_reference.append(pair.reference)
+    alignment.unmatched_candidate.append(other.key)
+    row.candidate, row.status, row.verdict, row.diverged = None, "unmatched", "skip", False
+    row.metrics, row.input_metrics, row.input_diverged, row.outputs = {}, {}, False, []
+    row.note = f"alignment: unpaired from {other.path}; {row.note}"
+
+
+def _relative(value: torch.Tensor, base: torch.Tensor) -> float:
+    difference = torch.linalg.vector_norm(value.detach().double() - base.detach().double())
+    return float(difference) / max(float(torch.linalg.vector_norm(base.detach().double())), 1e-30)
+
+
+def _first(call: CallRecord, side: str) -> Node | None:
+    slot = first_tensor_slot(getattr(call, side), side)
+    return _at(call, slot, side) if slot is not None else None
+
+
+def _at(call: CallRecord, slot: str | None, side: str = "outputs") -> Node | None:
+    if slot is None:
+        return None
+    return dict(iter_tensors(getattr(call, side), side)).get(slot)
+
+
+def _value(trace: Trace, node: Node | None) -> torch.Tensor | None:
+    return trace.tensor(node) if node is not None else None
