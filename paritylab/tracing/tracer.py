@@ -526,6 +526,7 @@ def _returns_its_input(
             isinstance(value, torch.Tensor)
             and value.numel() > 0
             and value.data_ptr() == output.data_ptr()
+            and value.data_ptr() != 0  # wrapper tensors (DTensor, async collectives) all report address 0
             and value.shape == output.shape
             and value.stride() == output.stride()
             and value.dtype == output.dtype

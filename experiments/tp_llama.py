@@ -1,0 +1,109 @@
+"""A tensor-parallel port of transformers' Llama, built on every rank by :func:`build` (a ``"module:function"``
+builder for :func:`paritylab.distributed.check_distributed`).
+
+The port is the one PyTorch documents: ``torch.distributed.tensor.parallel.parallelize_module`` over a 1-D
+device mesh, with ``ColwiseParallel`` on the q/k/v and gate/up projections (each rank computes its own heads and
+its own slice of the MLP's hidden units) and ``RowwiseParallel`` on o_proj and down_proj (each rank multiplies
+its slice and an all-reduce sums them). transformers' attention reshapes with ``-1`` heads, so it runs on the
+rank's local heads unchanged; nothing else is sharded. The attention heads and the intermediate size must
+divide by the world size.
+
+``options["defect"]`` plants one of the bugs that live in a split (``DEFECTS``), so the test suite and a reader
+can see what paritylab says about each; without it the port is correct.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from paritylab.distributed.launch import RankContext
+
+DEFECTS = {
+    "missing_all_reduce": "o_proj's partial products are returned without the all-reduce that sums them",
+    "bias_every_rank": "down_proj's bias is added on every rank before the all-reduce (counted world_size times)",
+    "swapped_gate_shards": "rank r holds gate_proj's shard world_size-1-r (the shards of the split are swapped)",
+    "rank1_scaled": "rank 1 alone scales down_proj's (reduced) output by 1.5, as a stray rank-local hook would",
+    "rank1_raises": "rank 1 alone raises in down_proj's forward",
+}
+"""Planted defects (``options["defect"]``) and what each does; ``options["layer"]`` picks the decoder layer
+(default 0)."""
+
+
+def tp_plan(num_layers: int, *, defect: str | None = None, layer: int = 0) -> dict[str, ParallelStyle]:
+    """The Megatron-style plan for every decoder layer: column-parallel q/k/v and gate/up, row-parallel o/down.
+    ``defect="missing_all_reduce"`` declares layer ``layer``'s o_proj output partial (so it is never reduced)."""
+    plan: dict[str, ParallelStyle] = {}
+    for index in range(num_layers):
+        prefix = f"model.layers.{index}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+        missing = defect == "missing_all_reduce" and index == layer
+        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial()) if missing else RowwiseParallel()
+    return plan
+
+
+def build(context: RankContext) -> nn.Module:
+    """The rank's share of a Llama whose config is ``options["config"]`` (a ``LlamaConfig.to_dict()``) and whose
+    weights are the reference's (``context.state_dict()``), parallelised over all ranks; ``options["defect"]``
+    plants a bug (:data:`DEFECTS`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    options = context.options
+    defect = options.get("defect")
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"unknown defect {defect!r}; known: {', '.join(DEFECTS)}")
+    layer = int(options.get("layer", 0))
+    config = LlamaConfig.from_dict(dict(options["config"]))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % context.world_size or kv_heads % context.world_size or config.intermediate_size % context.world_size:
+        raise ValueError(
+            f"{heads} attention heads, {kv_heads} key/value heads and an intermediate size of "
+            f"{config.intermediate_size} must all divide by the world size {context.world_size}"
+        )
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(context.state_dict())
+    parallelize_module(model, context.mesh(), tp_plan(config.num_hidden_layers, defect=defect, layer=layer))
+    block = model.model.layers[layer]
+    if defect == "bias_every_rank":
+        _bias_on_every_rank(block.mlp.down_proj, context)
+    elif defect == "swapped_gate_shards":
+        _swap_shards(block.mlp.gate_proj, context)
+    elif defect == "rank1_scaled" and context.rank == 1:
+        block.mlp.down_proj.register_forward_hook(lambda module, args, output: output * 1.5)
+    elif defect == "rank1_raises" and context.rank == 1:
+        block.mlp.down_proj.register_forward_pre_hook(_raise)
+    return model
+
+
+def _bias_on_every_rank(linear: nn.Module, context: RankContext) -> None:
+    """Make the row-parallel ``linear``'s bias a partial sum of full copies: every rank adds the whole bias to its
+    partial product, and the all-reduce then sums world_size biases (RowwiseParallel keeps it replicated, so it
+    is added once)."""
+    bias = linear.bias
+    if not isinstance(bias, DTensor):
+        raise ValueError("bias_every_rank needs a row-parallel linear with a bias (LlamaConfig(mlp_bias=True))")
+    whole = bias.full_tensor().detach()
+    partial = DTensor.from_local(whole, context.mesh(), [Partial()], run_check=False)
+    linear.register_parameter("bias", nn.Parameter(partial, requires_grad=False))
+
+
+def _swap_shards(linear: nn.Module, context: RankContext) -> None:
+    """Give this rank the shards of the column-parallel ``linear``'s weight and bias (DTensors, ``Shard(0)``)
+    that belong to the rank opposite it: what loading a fused or pre-split checkpoint in the wrong order does."""
+    for name, parameter in linear.named_parameters():
+        if not isinstance(parameter, DTensor):
+            raise ValueError(f"swapped_gate_shards needs a column-parallel linear; its {name} is not a DTensor")
+        whole = parameter.full_tensor().detach()
+        theirs = whole.chunk(context.world_size, dim=0)[context.world_size - 1 - context.rank]
+        with torch.no_grad():
+            parameter.to_local().copy_(theirs)
+
+
+def _raise(module: nn.Module, args: Any) -> None:
+    raise RuntimeError("planted: rank 1's down_proj cannot run")

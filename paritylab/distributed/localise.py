@@ -1,0 +1,184 @@
+"""Name the rank, and the kind of split defect, at the module where divergence starts.
+
+The comparison (:func:`paritylab.comparison.report.compare_traces`) finds the first module whose merged output
+diverges while its input agrees. The merge (:mod:`.merge`) kept, for that module's compared slot, how the ranks'
+pieces were combined and how each piece compares with the reference's matching part. Read together:
+
+``error``
+    A rank raised: the launch's first failure that is not a consequence of a peer going away.
+``partial-sum``
+    Ranks that should hold one whole value hold different ones, none matches the reference, and their sum
+    does: each rank returned its partial product and nothing summed them (a missing all-reduce).
+``shard-order``
+    A concatenation whose every piece equals one of the reference's parts, but not its own: the shards are
+    in the wrong order (rank r holds part k).
+``rank``
+    Some ranks' pieces agree with the reference's matching parts and the others' do not: those ranks.
+``all-ranks``
+    Every rank holds the same wrong value (or every piece is wrong): a defect in code every rank runs. When
+    the difference is the same vector at every position, it is an offset such as a bias counted once per
+    rank (a bias added before a row-parallel all-reduce).
+``unattributed``
+    The evidence does not single out ranks (values missing, a layout nothing proves, a placed partial sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paritylab.comparison.report import Report, Row, slot_value
+from paritylab.distributed.launch import LaunchResult
+from paritylab.distributed.merge import MergedTrace, SlotMerge
+from paritylab.tracing.tracefile import Trace, display_path
+
+OFFSET_SHARE = 1e-3
+"""A difference counts as one constant offset when what varies across positions is under this share of it."""
+
+
+@dataclass(frozen=True)
+class RankFinding:
+    """Where a distributed candidate goes wrong: the module, the ranks at fault and the kind of defect."""
+
+    module: str
+    """The module path (``""``: the root)."""
+    kind: str
+    """``error``, ``partial-sum``, ``shard-order``, ``rank``, ``all-ranks`` or ``unattributed`` (module docstring)."""
+    ranks: list[int]
+    """The ranks at fault; every rank for ``all-ranks`` and ``partial-sum``; empty when none can be named."""
+    message: str
+    call: str | None = None
+    slot: str | None = None
+    rule: str | None = None
+    """The merge rule of the slot (:class:`~paritylab.distributed.merge.SlotMerge`)."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "kind": self.kind,
+            "ranks": self.ranks,
+            "message": self.message,
+            "call": self.call,
+            "slot": self.slot,
+            "rule": self.rule,
+            "evidence": self.evidence,
+        }
+
+
+def localise(report: Report, merged: MergedTrace, launch: LaunchResult | None, reference: Trace) -> RankFinding | None:
+    """The finding for ``report``'s first divergence (or for a rank's error), ``None`` when parity holds."""
+    if report.errors or (launch is not None and not launch.ok):
+        return _error_finding(report, launch)
+    row = report.first_divergence
+    if row is None or row.candidate is None:
+        return None
+    merge = merged.slot(row.candidate.key, row.candidate.slot or "")
+    if merge is None:
+        return RankFinding(row.path, "unattributed", [], f"{_where(row)}: no merge record for the compared slot",
+                           row.candidate.key, row.candidate.slot)  # fmt: skip
+    finding = _from_merge(row, merge, merged, reference)
+    row.note = "; ".join(filter(None, [row.note, finding.message]))  # the report and its renderings show it
+    return finding
+
+
+def _error_finding(report: Report, launch: LaunchResult | None) -> RankFinding:
+    culprit = launch.culprit() if launch is not None else None
+    if culprit is not None and launch is not None:
+        module = culprit.module or ""
+        return RankFinding(module, "error", [culprit.rank], launch.error_line(), evidence={"phase": culprit.phase})
+    error = report.errors.get("candidate") or report.errors.get("reference") or {}
+    rank = error.get("rank")
+    ranks = [int(rank)] if isinstance(rank, int) else []
+    message = f"{error.get('type', 'error')}: {error.get('message', '')}"
+    return RankFinding(str(error.get("module") or ""), "error", ranks, message)
+
+
+def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trace) -> RankFinding:
+    where = _where(row)
+    base: dict[str, Any] = {"call": merge.call, "slot": merge.slot, "rule": merge.rule}
+    evidence: dict[str, Any] = {"rank_errors": merge.errors, "rank_shapes": merge.shapes}
+    agrees = merge.agrees
+    every = list(range(merged.world_size))
+    if merge.rule == "disagree" and agrees is not None and merge.sum_agrees and not all(agrees):
+        evidence["sum_error"] = merge.sum_error
+        message = (
+            f"{where}: partial sum: missing all-reduce. Every rank's output has the reference's shape, the ranks' "
+            f"values differ ({_errors(merge)}), and their sum matches the reference (rel_l2 {merge.sum_error:.2g}): "
+            "each rank returned its partial product and nothing summed them"
+        )
+        return RankFinding(row.path, "partial-sum", every, message, evidence=evidence, **base)
+    if merge.rule in ("concat", "shard") and merge.holds is not None and agrees is not None:
+        holds = merge.holds
+        moved = [rank for rank, part in enumerate(holds) if part is not None and part != rank]
+        if moved and all(part is not None for part in holds):
+            placed = ", ".join(f"rank {rank} holds part {holds[rank]}" for rank in moved)
+            message = (
+                f"{where}: shards out of order along dim {merge.dim}: {placed} of the reference's "
+                f"{merged.world_size} (each piece is right, its place is not)"
+            )
+            evidence["holds"] = holds
+            return RankFinding(row.path, "shard-order", moved, message, evidence=evidence, **base)
+    if agrees is not None and any(agrees) and not all(agrees):
+        wrong = [rank for rank, ok in enumerate(agrees) if not ok]
+        right = [rank for rank, ok in enumerate(agrees) if ok]
+        piece = "shard" if merge.rule in ("concat", "shard") else "value"
+        message = (
+            f"{where}: {_ranks(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
+            f"{_ranks(right)}'s agrees"
+        )
+        return RankFinding(row.path, "rank", wrong, message, evidence=evidence, **base)
+    if agrees is not None and not any(agrees):
+        message = f"{where}: every rank's {'shard' if merge.rule in ('concat', 'shard') else 'value'} is wrong"
+        if merge.rule in ("replicated", "replicate"):
+            message = f"{where}: every rank holds the same value, and it differs from the reference ({_errors(merge)})"
+        offset = _constant_offset(row, merged, reference)
+        if offset is not None:
+            evidence["offset_norm"] = offset
+            message += (
+                "; the difference is the same vector at every position (an offset of norm "
+                f"{offset:.3g}): a bias counted more than once, e.g. added on every rank before the all-reduce"
+            )
+        else:
+            message += ": the defect is in code every rank runs"
+        return RankFinding(row.path, "all-ranks", every, message, evidence=evidence, **base)
+    reason = merge.note or f"merged by rule {merge.rule!r}"
+    return RankFinding(row.path, "unattributed", [], f"{where}: no rank can be singled out ({reason})",
+                       evidence=evidence, **base)  # fmt: skip
+
+
+def _constant_offset(row: Row, merged: MergedTrace, reference: Trace) -> float | None:
+    """The norm of the difference when it is one vector repeated at every position (last dim), else ``None``."""
+    if row.candidate is None:
+        return None
+    expected = slot_value(reference, row.reference.key, row.reference.slot)
+    actual = slot_value(merged.trace, row.candidate.key, row.candidate.slot)
+    if expected is None or actual is None or expected.shape != actual.shape or expected.dim() < 2:
+        return None
+    difference = (actual.double() - expected.double()).reshape(-1, expected.shape[-1])
+    if difference.shape[0] < 2:
+        return None
+    offset = difference.mean(dim=0)
+    varying = float(torch.linalg.vector_norm(difference - offset))
+    total = float(torch.linalg.vector_norm(difference))
+    if total == 0.0 or varying > OFFSET_SHARE * total:
+        return None
+    return float(torch.linalg.vector_norm(offset))
+
+
+def _where(row: Row) -> str:
+    return f"{display_path(row.path)} ({row.candidate.slot if row.candidate else row.reference.slot})"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _errors(merge: SlotMerge, ranks: list[int] | None = None) -> str:
+    if merge.errors is None:
+        return "no reference value"
+    chosen = range(len(merge.errors)) if ranks is None else ranks
+    return ", ".join(f"rank {rank} rel_l2 {merge.errors[rank]:.2g}" for rank in chosen)

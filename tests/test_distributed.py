@@ -1,0 +1,357 @@
+"""Parity across ranks: a tensor-parallel candidate on 2 gloo ranks against a one-device reference.
+
+The real runs (processes, gloo, ``parallelize_module`` over transformers' Llama: experiments/tp_llama.py) plant
+each defect of a split and check the module, the rank and the kind of defect named. The merge rules are also
+tested on rank traces written in this process (no process group needed: each "rank" is a module that returns
+a chosen piece), where every layout and failure can be set exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paritylab.distributed import DistributedError, check_distributed, check_variants, compare_ranks
+from paritylab.distributed.launch import LaunchResult, LaunchSpec, RankContext, RankStatus
+from paritylab.distributed.merge import MergedTrace, concat_dim, merge_ranks, same_values
+from paritylab.distributed.placements import PLACEMENTS_FILE
+from paritylab.run.parity import trace_model
+from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.tracer import TraceOptions, Tracer
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
+BUILDER = "experiments.tp_llama:build"
+
+
+# -- real ranks: transformers' Llama, parallelize_module, 2 gloo processes ---------------------------------
+
+
+def _llama() -> nn.Module:
+    """A tiny Llama with an MLP bias, set to values that are not zero (transformers initialises biases to zero,
+    and a zero bias counted twice is still right)."""
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(mlp_bias=True)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.1)
+    return model
+
+
+def test_tensor_parallel_llama_defects_are_named_by_module_and_rank(tmp_path: Path) -> None:
+    """One launch of 2 ranks runs the clean port and four planted defects in turn; each is judged against the
+    same one-device reference."""
+    from tests.tiny import token_ids
+
+    reference = _llama()
+    variants = {
+        "clean": {},
+        "missing": {"defect": "missing_all_reduce"},
+        "bias": {"defect": "bias_every_rank"},
+        "swapped": {"defect": "swapped_gate_shards", "layer": 1},
+        "rank1": {"defect": "rank1_scaled", "layer": 1},
+    }
+    results = check_variants(
+        reference, BUILDER, tmp_path, variants, world_size=2, inputs={"input_ids": token_ids(batch=2)},
+        call_kwargs={"use_cache": False}, options={"config": reference.config.to_dict()}, timeout_s=240,
+    )  # fmt: skip
+    assert list(results) == list(variants)
+
+    clean = results["clean"]
+    assert clean.verdict == "pass", clean.summary()
+    assert clean.finding is None
+    meta = Trace.load(tmp_path / "ranks" / "clean" / "rank1").meta
+    assert (meta["rank"], meta["world_size"], meta["backend"]) == ("1", "2", "gloo")
+    compared = [row for row in clean.report.rows if row.status == "compared"]
+    assert len(compared) == len(clean.report.rows) >= 30 and not clean.report.not_compared
+    assert not clean.report.alignment.unmatched_reference  # o_proj is no identity, though the ranks' tracers said so
+    rules = clean.summary()["merge_rules"]
+    assert rules.get("disagree", 0) == 0 and rules.get("unresolved", 0) == 0 and rules.get("missing", 0) == 0
+    q_proj = clean.candidate.slot("model.layers.0.self_attn.q_proj#0", "outputs")  # ColwiseParallel: local heads
+    assert q_proj is not None and (q_proj.rule, q_proj.dim, q_proj.shapes) == ("concat", 2, [[2, 6, 8], [2, 6, 8]])
+    o_input = clean.candidate.slot("model.layers.0.self_attn.o_proj#0", "inputs.args.0")  # DTensor Shard(-1)
+    assert o_input is not None and (o_input.rule, o_input.dim) == ("shard", 2)
+    o_output = clean.candidate.slot("model.layers.0.self_attn.o_proj#0", "outputs")  # all-reduced
+    assert o_output is not None and o_output.rule == "replicated" and o_output.agrees == [True, True]
+    piece = clean.candidate.rank_value("model.layers.0.mlp.up_proj#0", "outputs", 1)
+    whole = clean.reference.tensor(clean.reference.call("model.layers.0.mlp.up_proj#0").outputs or {})
+    assert piece is not None and whole is not None and torch.allclose(piece, whole[..., 16:], atol=1e-6)
+
+    origin = "the earliest module whose output diverges while its input agrees"
+    for name in ("missing", "bias", "swapped", "rank1"):
+        first = results[name].report.first_divergence
+        assert first is not None and first.status == "compared", name
+        assert results[name].report.culprit_reason == origin, name
+    missing = results["missing"]
+    assert missing.verdict == "fail"
+    assert missing.report.first_divergence is not None
+    assert missing.report.first_divergence.path == "model.layers.0.self_attn.o_proj"
+    assert missing.finding is not None and missing.finding.kind == "partial-sum"
+    assert missing.finding.module == "model.layers.0.self_attn.o_proj" and missing.finding.ranks == [0, 1]
+    assert "partial sum: missing all-reduce" in missing.finding.message
+    assert missing.finding.evidence["sum_error"] < 1e-5  # the ranks' sum is the reference's output
+    assert "missing all-reduce" in missing.report.first_divergence.note  # shown in the report itself
+
+    bias = results["bias"]
+    assert bias.verdict == "fail"
+    assert bias.finding is not None and bias.finding.module == "model.layers.0.mlp.down_proj"
+    assert bias.finding.kind == "all-ranks" and bias.finding.rule == "replicated"
+    assert "bias counted more than once" in bias.finding.message
+    down = reference.model.layers[0].mlp.down_proj.bias.detach()  # counted twice: the offset is one extra bias
+    assert bias.finding.evidence["offset_norm"] == pytest.approx(float(down.norm()), rel=1e-4)
+
+    swapped = results["swapped"]
+    assert swapped.verdict == "fail"
+    assert swapped.finding is not None and swapped.finding.module == "model.layers.1.mlp.gate_proj"
+    assert swapped.finding.kind == "shard-order" and swapped.finding.evidence["holds"] == [1, 0]
+    assert "rank 0 holds part 1, rank 1 holds part 0" in swapped.finding.message
+
+    rank1 = results["rank1"]
+    assert rank1.verdict == "fail"
+    assert rank1.finding is not None and rank1.finding.module == "model.layers.1.mlp.down_proj"
+    assert rank1.finding.kind == "rank" and rank1.finding.ranks == [1]
+    assert rank1.finding.evidence["rank_errors"][0] < 1e-5 < rank1.finding.evidence["rank_errors"][1]
+    assert json.loads((tmp_path / "rank1" / "distributed.json").read_text())["finding"]["ranks"] == [1]
+
+
+def test_an_error_on_rank_1_only_is_named_with_its_rank(tmp_path: Path) -> None:
+    from tests.tiny import tiny_llama, token_ids
+
+    reference = tiny_llama()
+    result = check_distributed(
+        reference, BUILDER, tmp_path, world_size=2, inputs={"input_ids": token_ids()},
+        call_kwargs={"use_cache": False}, timeout_s=240,
+        options={"config": reference.config.to_dict(), "defect": "rank1_raises"},
+    )  # fmt: skip
+    assert result.verdict == "error"
+    assert result.finding is not None and result.finding.kind == "error" and result.finding.ranks == [1]
+    assert result.finding.module == "model.layers.0.mlp"
+    assert result.finding.message.startswith("rank 1 failed during forward in model.layers.0.mlp: RuntimeError:")
+    assert "\n" not in result.finding.message
+    assert result.report.errors["candidate"]["rank"] == 1
+    assert result.launch is not None and result.launch.culprit() is not None
+
+
+def fail_on_rank_1(context: RankContext) -> nn.Module:
+    """A builder that fails on rank 1 only (imported by the ranks of the test below, which is why this module
+    imports transformers only inside the tests that need it)."""
+    if context.rank == 1:
+        raise ValueError("no shard for rank 1")
+    return nn.Linear(4, 4)
+
+
+def test_a_builder_that_fails_on_one_rank_raises_one_line_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(DistributedError) as raised:
+        check_distributed(
+            nn.Linear(4, 4), "tests.test_distributed:fail_on_rank_1", tmp_path, world_size=2,
+            inputs={"input": torch.ones(2, 4)}, timeout_s=120,
+        )  # fmt: skip
+    line = str(raised.value)
+    assert line.startswith("rank 1 failed during build: ValueError: no shard for rank 1")
+    assert "\n" not in line and "rank1.log" in line
+
+
+# -- the merge rules, on rank traces written here -------------------------------------------------------
+
+
+class Emit(nn.Module):
+    """Returns a chosen value, whatever it is given: one rank's piece of an activation."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.value.clone()
+
+
+class Pair(nn.Module):
+    """``second(keep(first(x)))``: ``first`` is the module under test, ``keep`` returns its input (an identity
+    call), ``second`` consumes it."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        super().__init__()
+        self.first = Emit(first)
+        self.keep = nn.Identity()
+        self.second = Emit(second)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.keep(self.first(x)))
+
+
+WHOLE = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+OUT = torch.randn(3, generator=torch.Generator().manual_seed(1))
+X = torch.ones(2)
+
+
+def _traced_ranks(
+    root: Path, pieces: list[torch.Tensor], options: dict[int, dict[str, object]] | None = None
+) -> tuple[Trace, list[Path]]:
+    """The reference (``first`` returns WHOLE) and one trace per rank (``first`` returns that rank's piece),
+    written as the worker writes them (rank and world size in the meta, no fingerprints)."""
+    reference = trace_model(Pair(WHOLE, OUT), lambda model: model(X), root / "reference")
+    directories = []
+    for rank, piece in enumerate(pieces):
+        directory = root / f"rank{rank}"
+        model = Pair(piece, OUT)
+        metadata = {"rank": rank, "world_size": len(pieces)}
+        traced = TraceOptions(save_tensors=True, fingerprint=False, metadata=metadata, **(options or {}).get(rank, {}))
+        with Tracer(model, directory, traced):
+            model(X)
+        directories.append(directory)
+    return reference, directories
+
+
+def _place(directory: Path, key: str, slot: str, placement: dict[str, object]) -> None:
+    (directory / PLACEMENTS_FILE).write_text(
+        json.dumps({"calls": {key: {slot: {"placements": [placement], "mesh": [2], "shape": list(WHOLE.shape)}}}})
+    )
+
+
+def test_pieces_concatenated_along_a_middle_dimension_unevenly_pass(tmp_path: Path) -> None:
+    reference, ranks = _traced_ranks(tmp_path, [WHOLE[:, :1], WHOLE[:, 1:4], WHOLE[:, 4:]])
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    assert result.verdict == "pass" and result.finding is None
+    merge = result.candidate.slot("first#0", "outputs")
+    assert merge is not None and (merge.rule, merge.dim, merge.agrees) == ("concat", 1, [True, True, True])
+    assert result.candidate.trace.call("second#0").inputs["items"]["args"]["items"][0]["from"] == 1  # data flow kept
+    assert result.candidate.trace.call("keep#0").identity and not result.candidate.trace.call("first#0").identity
+
+
+def test_shards_out_of_order_are_named_with_the_part_each_rank_holds(tmp_path: Path) -> None:
+    parts = WHOLE.chunk(2, dim=-1)
+    reference, ranks = _traced_ranks(tmp_path, [parts[1], parts[0]])
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    assert result.verdict == "fail"
+    assert result.finding is not None and (result.finding.module, result.finding.kind) == ("first", "shard-order")
+    assert result.finding.ranks == [0, 1] and result.finding.evidence["holds"] == [1, 0]
+
+
+def test_one_rank_s_wrong_shard_names_that_rank(tmp_path: Path) -> None:
+    parts = WHOLE.split([1, 1, 2], dim=-1)
+    reference, ranks = _traced_ranks(tmp_path, [parts[0], parts[1], parts[2] * 1.5])
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    assert result.finding is not None and (result.finding.kind, result.finding.ranks) == ("rank", [2])
+    assert result.finding.message.startswith("first (outputs): rank 2's shard differs from the reference's")
+    assert "ranks 0, 1's agrees" in result.finding.message
+
+
+def test_partial_sums_are_a_missing_all_reduce_unless_declared(tmp_path: Path) -> None:
+    share = torch.rand(WHOLE.shape, generator=torch.Generator().manual_seed(2))
+    pieces = [WHOLE * share, WHOLE * (1 - share)]
+    reference, ranks = _traced_ranks(tmp_path, pieces)
+    flagged = compare_ranks(reference, ranks, tmp_path / "flagged")
+    assert flagged.verdict == "fail"
+    assert flagged.finding is not None and (flagged.finding.module, flagged.finding.kind) == ("first", "partial-sum")
+    merge = flagged.candidate.slot("first#0", "outputs")
+    assert merge is not None and merge.rule == "disagree" and merge.sum_agrees and merge.agrees == [False, False]
+    declared = compare_ranks(reference, ranks, tmp_path / "declared", partial_outputs=["first"])
+    assert declared.verdict == "pass"
+    merge = declared.candidate.slot("first#0", "outputs")
+    assert merge is not None and merge.rule == "partial" and merge.sum_agrees
+
+
+def test_a_replicated_value_one_rank_gets_wrong_names_that_rank(tmp_path: Path) -> None:
+    reference, ranks = _traced_ranks(tmp_path, [WHOLE, WHOLE + 0.5])
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    assert result.finding is not None and (result.finding.kind, result.finding.ranks) == ("rank", [1])
+    merge = result.candidate.slot("first#0", "outputs")
+    assert merge is not None and merge.chosen == 1 and not merge.sum_agrees  # the wrong rank stands for both
+
+
+def test_placements_decide_over_values(tmp_path: Path) -> None:
+    share = torch.rand(WHOLE.shape, generator=torch.Generator().manual_seed(3))
+    reference, ranks = _traced_ranks(tmp_path, [WHOLE * share, WHOLE * (1 - share)])
+    for directory in ranks:  # a DTensor placed Partial: a sum by construction, not a defect
+        _place(directory, "first#0", "outputs", {"kind": "partial", "op": "sum"})
+    summed = compare_ranks(reference, ranks, tmp_path / "partial")
+    assert summed.verdict == "pass"
+    assert summed.candidate.slot("first#0", "outputs").rule == "partial"  # type: ignore[union-attr]
+    for directory in ranks:  # placed Replicate, yet the ranks differ: a defect, the worst rank stands
+        _place(directory, "first#0", "outputs", {"kind": "replicate"})
+    replicated = compare_ranks(reference, ranks, tmp_path / "replicate")
+    merge = replicated.candidate.slot("first#0", "outputs")
+    assert replicated.verdict == "fail" and merge is not None and merge.rule == "disagree"
+    assert merge.note.startswith("placed Replicate, but the ranks hold different values")
+
+
+def test_a_placement_not_merged_by_placement_falls_back_to_the_values(tmp_path: Path) -> None:
+    reference, ranks = _traced_ranks(tmp_path, [WHOLE[..., :2], WHOLE[..., 2:]])
+    two_d = {"placements": [{"kind": "shard", "dim": 0}, {"kind": "replicate"}], "mesh": [2, 1], "shape": [2, 6, 4]}
+    for directory in ranks:
+        (directory / PLACEMENTS_FILE).write_text(json.dumps({"calls": {"first#0": {"outputs": two_d}}}))
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    merge = result.candidate.slot("first#0", "outputs")
+    assert result.verdict == "pass" and merge is not None and (merge.rule, merge.dim) == ("concat", 2)
+    assert merge.note == "placed on a 2-D mesh (only 1-D meshes are merged by placement), so merged by values"
+
+
+def test_what_nothing_proves_is_not_passed(tmp_path: Path) -> None:
+    reference, ranks = _traced_ranks(tmp_path / "shapes", [WHOLE[:, :2, :2], WHOLE[:, 2:, 2:]])
+    result = compare_ranks(reference, ranks, tmp_path / "shapes" / "out")
+    assert result.candidate.slot("first#0", "outputs").rule == "unresolved"  # type: ignore[union-attr]
+    assert result.verdict == "fail"  # rank 0's piece against the whole: shapes differ
+    reference, ranks = _traced_ranks(tmp_path / "unsaved", [WHOLE, WHOLE], {1: {"max_bytes": 0}})
+    result = compare_ranks(reference, ranks, tmp_path / "unsaved" / "out")
+    merge = result.candidate.slot("first#0", "outputs")
+    assert merge is not None and merge.rule == "missing" and merge.note.startswith("no value on rank 1")
+    assert result.verdict == "inconclusive"
+
+
+def test_merge_reads_ranks_in_order_and_keeps_pieces_addressable(tmp_path: Path) -> None:
+    reference, ranks = _traced_ranks(tmp_path, [WHOLE[..., :2], WHOLE[..., 2:]])
+    with pytest.raises(ValueError, match="holds the trace of rank 1, expected rank 0"):
+        merge_ranks(list(reversed(ranks)), tmp_path / "reversed", reference)
+    merge_ranks(ranks, tmp_path / "merged", reference)
+    loaded = MergedTrace.load(tmp_path / "merged")
+    assert loaded.world_size == 2 and loaded.slot("first#0", "outputs").rule == "concat"  # type: ignore[union-attr]
+    assert torch.equal(loaded.rank_value("first#0", "outputs", 1), WHOLE[..., 2:])  # type: ignore[arg-type]
+    merged_value = loaded.trace.tensor(loaded.trace.call("first#0").outputs or {})
+    assert merged_value is not None and torch.equal(merged_value, WHOLE)
+
+
+def test_same_values_is_bitwise_with_nan_in_the_same_places() -> None:
+    value = torch.tensor([1.0, float("nan"), 3.0])
+    assert same_values(value, value.clone()) and not torch.equal(value, value.clone())
+    assert not same_values(value, torch.tensor([1.0, 2.0, 3.0]))
+    assert not same_values(value, value.double())
+
+
+def test_concat_dim_needs_exactly_one_dimension_that_adds_up() -> None:
+    assert concat_dim([[2, 3], [2, 5]], [2, 8]) == 1
+    assert concat_dim([[1, 4], [3, 4]], [4, 4]) == 0
+    assert concat_dim([[2, 3], [2, 4]], [2, 8]) is None  # does not add up
+    assert concat_dim([[1, 3], [2, 5]], [3, 8]) is None  # two dimensions differ
+    assert concat_dim([[2, 8]], [2, 8]) is None  # one rank: nothing to concatenate
+
+
+def test_the_first_failure_that_is_no_peer_s_consequence_is_the_culprit(tmp_path: Path) -> None:
+    spec = LaunchSpec("x:y", 3, tmp_path)
+    statuses = [
+        RankStatus(0, False, "forward", "RuntimeError: Connection closed by peer", seconds=1.0, consequential=True),
+        RankStatus(1, False, "forward", "ValueError: bad shard", module="layers.0", seconds=2.0),
+        RankStatus(2, False, "forward", "stopped while still running", consequential=True),
+    ]
+    launch = LaunchResult(spec, statuses, 3.0)
+    assert launch.culprit() is statuses[1]
+    line = launch.error_line()
+    assert line.startswith("rank 1 failed during forward in layers.0: ValueError: bad shard; then rank 0 (forward")
+    assert line.endswith(f"(traceback: {tmp_path / 'rank1.log'})")
+
+
+def test_a_run_past_its_time_limit_says_so(tmp_path: Path) -> None:
+    spec = LaunchSpec("x:y", 2, tmp_path, timeout_s=30)
+    stopped = [RankStatus(rank, False, "forward", "stopped while still running", consequential=True) for rank in (0, 1)]
+    line = LaunchResult(spec, stopped, 31.0, timed_out=True).error_line()
+    assert (
+        line == "the ranks did not finish within timeout_s=30 s and were stopped (rank 0 in forward, rank 1 in forward)"
+    )
