@@ -223,3 +223,19 @@ def test_a_difference_only_the_compiled_graph_makes_is_said_to_be_the_graph():
     found = drill_into(wrapped_reference, run, "#0", compiled, run, "#0", lambda _: nullcontext(), torch.float32)
     assert found.value is None and "made by the compiled graph itself" in found.message
     assert any("compiled candidate" in note for note in found.notes)
+
+
+def test_constants_are_compared_only_between_operations_that_match_step_for_step():
+    """q and k each scaled by d**-0.25 on one side, q alone by d**-0.5 on the other: no constant of one stands
+    for one of the other, so the line names no constants; a single ``mul`` against a ``mul`` does."""
+    from paritylab.comparison.drilldown import Op, Recording, Value, _describe
+
+    recording = Recording("attn#0", values=[Value(0, "op 0", [2, 4], "float32", op=0)])
+
+    def mul(index: int, scale: float) -> Op:
+        return Op(index, "mul", "", f"mul(tensor[2, 4], {scale})", [f"{scale}"], [index], [index + 1])
+
+    split = _describe(recording, recording.values[0], [mul(0, 0.5), mul(1, 0.5)], [mul(0, 0.25)], 1e-2)
+    assert "constants" not in split and "the reference computes mul(tensor[2, 4], 0.25)" in split
+    single = _describe(recording, recording.values[0], [mul(0, 0.3)], [mul(0, 0.25)], 1e-2)
+    assert "(constants: 0.3 vs the reference's 0.25)" in single

@@ -128,3 +128,55 @@ def test_a_wrong_activation_module_that_is_almost_the_identity_is_named_itself(t
     reference, candidate = _pair(ModuleMLP)
     result = _named(tmp_path, candidate, reference, None)
     assert result.verdict == "fail" and result.report.first_divergence.path == "blocks.0.act"
+
+
+class ReferenceBlock(nn.Module):
+    """A pre-norm block whose MLP is three modules called from the block's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc_in, self.act, self.fc_out = nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_out(self.act(self.fc_in(self.norm(x))))
+
+
+class WrappedBlock(nn.Module):
+    """The same block with its MLP inside an ``nn.Sequential`` the reference does not have (no module there
+    holds exactly its weights: it stays unmatched, its children paired)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _wrapped(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    reference, candidate = Model(ReferenceBlock), Model(WrappedBlock)
+    names = {"fc_in": "mlp.0", "fc_out": "mlp.2"}
+    renamed = {}
+    for key, value in reference.state_dict().items():
+        for old, new in names.items():
+            key = key.replace(f".{old}.", f".{new}.")
+        renamed[key] = value
+    candidate.load_state_dict(renamed)
+    return reference, candidate.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_bug_in_a_wrapper_only_one_side_has_is_named_at_the_module_whose_value_it_changes(tmp_path, dtype):
+    """The Sequential stays unmatched; its other call hands its last child's output on exactly, so a 1 % change
+    at this one is named at the reference's ``fc_out``, whose value it changes (before: at the enclosing block
+    in fp32, and a PASS in bf16); the clean pair passes."""
+    reference, candidate = _wrapped(dtype)
+    call = {"reference_call": lambda m: m(X), "candidate_call": lambda m: m(X.to(dtype))}
+    clean = paritylab.check(reference, candidate, tmp_path / "clean", **call)
+    assert clean.verdict == "pass", clean.report.first_divergence
+    assert "blocks.1.mlp#0" in clean.report.alignment.unmatched_candidate
+    candidate.blocks[1].mlp.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    result = paritylab.check(reference, candidate, tmp_path / "bug", **call)
+    assert result.verdict == "fail" and result.report.first_divergence.path == "blocks.1.fc_out"
+    assert "blocks.1.mlp returns it with relative error" in result.report.first_divergence.note

@@ -288,6 +288,7 @@ def attach_replay(
     by_index = {row.index: row for row in report.rows}
     received = received_calls(reference)
     fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
+    exact = exact_pair(replay_report.rows)
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -301,6 +302,12 @@ def attach_replay(
             systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
+        if (
+            not diverged
+            and exact is not None
+            and own > EXACT_LIMIT.get(str(local.candidate and local.candidate.dtype), 1.0)
+        ):
+            diverged, reason = True, f"own error {own:.2g} where {exact} of this pair's modules replay bit for bit"
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs):
@@ -426,6 +433,26 @@ def _unreplaced_source(
         return None
     note = f"its own code between its children gives {where} a value the reference does not, while every paired"
     return parent, note + " module before it was given the reference's values (isolated replay)"
+
+
+EXACT_SHARE, EXACT_MIN = 0.9, 8
+"""A pair whose isolated replay gives exactly 0 own error at this share of its compared modules (at least
+``EXACT_MIN`` of them) computes bit for bit like its reference: its noise is none, not its precision's."""
+EXACT_LIMIT = {"float64": 1e-12, "float32": 1e-6, "bfloat16": 6e-3, "float16": 8e-4}
+"""In such a pair, an own error above this is a code difference (an eps, a constant), not rounding: about 16
+units of float32 rounding, 1.5 of bfloat16's, 1.6 of float16's; what an operation done in another order gives
+stays below it."""
+
+
+def exact_pair(rows: list[Row]) -> str | None:
+    """``"k of n"`` when the replay's compared rows are bit-identical at :data:`EXACT_SHARE` or more of them
+    (see :data:`EXACT_LIMIT`), else ``None``."""
+    own = [relative_error(row.metrics) for row in rows if row.status == "compared" and row.path]
+    own = [value for value in own if value is not None]
+    zeros = sum(value == 0.0 for value in own)
+    if len(own) < EXACT_MIN or zeros < EXACT_SHARE * len(own):
+        return None
+    return f"{zeros} of {len(own)}"
 
 
 REL_MULTIPLE = 4.5

@@ -77,15 +77,54 @@ def verify_pairs(
         if source is None:  # made by code with no module on the candidate's side: find whose value it is
             source = _observed(rows, row, reference, _value(candidate, _first(other, "inputs")), margin)
         # its class's other calls hand their input on exactly: any change at this one is the bug, in any precision
-        if change > 0 and source is not None and source.status in ("compared", "unmatched") and not source.diverged:
-            source.diverged, source.verdict = True, "fail"
-            source.note = (
-                f"the candidate changes its value after it: {other.path} returns it with relative error "
-                f"{change:.3g} (code with no counterpart, such as a hook point)"
-            )
-            source.metrics[CHANGED_AFTER] = change
-            charged[source.index] = source.note
+        if change > 0 and source is not None:
+            _charge(source, other.path, change, "code with no counterpart, such as a hook point", charged)
+    for wrapper, child, change in _changed_wrappers(candidate, alignment):
+        source = by_index.get(reverse.get(child, -1))
+        if source is not None:
+            _charge(source, wrapper.path, change, "a wrapper whose other calls return their child's value", charged)
     return charged
+
+
+def _charge(source: Row, where: str, change: float, what: str, charged: dict[int, str]) -> None:
+    """``source``'s value is changed after it by the candidate's ``where``: divergence starts there."""
+    if source.status not in ("compared", "unmatched") or source.diverged:
+        return
+    source.diverged, source.verdict = True, "fail"
+    source.note = (
+        f"the candidate changes its value after it: {where} returns it with relative error {change:.3g} ({what})"
+    )
+    source.metrics[CHANGED_AFTER] = change
+    charged[source.index] = source.note
+
+
+def _changed_wrappers(candidate: Trace, alignment: Alignment) -> list[tuple[CallRecord, int, float]]:
+    """Unpaired candidate calls that wrap a paired call and hand on its output (a ``Sequential`` around an MLP
+    that the other side does not have) but changed it at this call, while every other call of their class
+    returns its last child's value exactly: ``(the wrapper, the child's call index, the relative change)``.
+    A class seen once, or whose calls change their child's value as a rule (a residual wrapper), is left alone.
+    """
+    paired = {candidate.call(pair.candidate).index for pair in alignment.pairs if _whole(pair)}
+    skipped = paired | {candidate.call(key).index for key in alignment.folded_candidate}
+    last_child: dict[int, CallRecord] = {}
+    for call in candidate.calls:  # a parent opens before its children: the last one seen is the last called
+        if call.parent is not None:
+            last_child[call.parent] = call
+    by_class: dict[str, list[tuple[CallRecord, int, float]]] = {}
+    for call in candidate.calls:
+        child = last_child.get(call.index)
+        if call.index in skipped or child is None or child.index not in paired:
+            continue
+        returned, handed = _value(candidate, _first(call, "outputs")), _value(candidate, _first(child, "outputs"))
+        if returned is None or handed is None or returned.shape != handed.shape or not returned.is_floating_point():
+            continue
+        by_class.setdefault(call.cls, []).append((call, child.index, _relative(returned, handed)))
+    found = []
+    for calls in by_class.values():
+        changed = [entry for entry in calls if entry[2] > 0]
+        if len(calls) >= 2 and len(changed) < len(calls):  # the others hand the value on exactly
+            found.extend(changed)
+    return found
 
 
 def _whole(pair: Pair) -> bool:
