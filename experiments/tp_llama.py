@@ -1,5 +1,7 @@
 """A tensor-parallel port of transformers' Llama, built on every rank by :func:`build` (a ``"module:function"``
-builder for :func:`paritylab.distributed.check_distributed`).
+builder for :func:`paritylab.distributed.check_distributed`, and ``candidate=tp``'s: ``python -m paritylab
+model=llama candidate=tp``, which names it ``paritylab.experiments.tp_llama:build`` so that it imports from a
+checkout and from the wheel alike).
 
 The port is the one PyTorch documents: ``torch.distributed.tensor.parallel.parallelize_module`` over a 1-D
 device mesh, with ``ColwiseParallel`` on the q/k/v and gate/up projections (each rank computes its own heads and
@@ -9,7 +11,8 @@ rank's local heads unchanged; nothing else is sharded. The attention heads and t
 divide by the world size.
 
 ``options["defect"]`` plants one of the bugs that live in a split (``DEFECTS``), so the test suite and a reader
-can see what paritylab says about each; without it the port is correct.
+can see what paritylab says about each; without it (or ``null``) the port is correct. On the command line:
+``+candidate.options.defect=rank1_scaled +candidate.options.layer=1``.
 """
 
 from __future__ import annotations
@@ -59,7 +62,13 @@ def build(context: RankContext) -> nn.Module:
     if defect is not None and defect not in DEFECTS:
         raise ValueError(f"unknown defect {defect!r}; known: {', '.join(DEFECTS)}")
     layer = int(options.get("layer", 0))
-    config = LlamaConfig.from_dict(dict(options["config"]))
+    given = dict(options["config"])
+    if given.get("model_type") != "llama":
+        raise ValueError(
+            f"tp_llama builds transformers' Llama, and options['config'] is a {given.get('model_type')!r} model's "
+            "config: give it a Llama reference (python -m paritylab model=llama candidate=tp)"
+        )
+    config = LlamaConfig.from_dict(given)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % context.world_size or kv_heads % context.world_size or config.intermediate_size % context.world_size:
         raise ValueError(

@@ -9,7 +9,10 @@ a chosen piece), where every layout and failure can be set exactly.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -355,3 +358,124 @@ def test_a_run_past_its_time_limit_says_so(tmp_path: Path) -> None:
     assert (
         line == "the ranks did not finish within timeout_s=30 s and were stopped (rank 0 in forward, rank 1 in forward)"
     )
+
+
+# -- the command line: python -m paritylab model=llama candidate=tp -----------------------------------------
+
+
+def _paritylab(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``python -m paritylab model=llama candidate=tp candidate.world_size=2`` logging to a SQLite store in
+    ``tmp_path``."""
+    from tests.helpers import migrated_store
+
+    uri = migrated_store(tmp_path / "mlflow.db")
+    command = [
+        sys.executable, "-m", "paritylab", "model=llama", "candidate=tp", "candidate.world_size=2", *overrides,
+        f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def _only_run(tmp_path: Path) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers import parity_runs
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (found,) = parity_runs(client)
+    return client, found
+
+
+def test_the_command_line_runs_a_tensor_parallel_candidate_on_2_ranks(tmp_path: Path) -> None:
+    result = _paritylab(tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS: 32 modules within tolerance" in result.stdout
+    assert "distributed candidate: free run only (no noise floor, replay, drill-down or decode steps)" in result.stdout
+    run = tmp_path / "run"
+    assert Trace.load(run / "ranks" / "rank1").meta["rank"] == "1" and Trace.load(run / "candidate").calls
+    assert not (run / "ranks" / "weights.safetensors").exists()  # the reference's weights are no artifact
+    summary = json.loads((run / "run.json").read_text())
+    assert summary["verdict"] == "pass" and summary["exit_code"] == 0 and "ranks" in summary["seconds"]
+    client, found = _only_run(tmp_path)
+    tags = found.data.tags
+    assert tags["paritylab.verdict"] == "pass" and tags["paritylab.world_size"] == "2"
+    assert tags["paritylab.distributed.ranks"] == "none" and found.data.params["candidate.world_size"] == "2"
+    listed = {item.path for item in client.list_artifacts(found.info.run_id, "ranks")}
+    assert {"ranks/rank0", "ranks/rank1", "ranks/rank1.log", "ranks/launch.json"} <= listed
+
+
+def test_a_defect_on_one_rank_fails_the_run_naming_module_and_rank(tmp_path: Path) -> None:
+    result = _paritylab(tmp_path, "+candidate.options.defect=rank1_scaled", "+candidate.options.layer=1")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    module = "model.layers.1.mlp.down_proj"
+    assert f"FAIL: divergence starts at {module} (rel_l2 0.5)" in result.stdout
+    assert (
+        f"paritylab: ranks (rank): {module} (outputs): rank 1's value differs from the reference's "
+        "(rank 1 rel_l2 0.5); rank 0's agrees"
+    ) in result.stdout
+    _, found = _only_run(tmp_path)
+    tags, params = found.data.tags, found.data.params
+    assert tags["paritylab.verdict"] == "fail" and tags["paritylab.first_divergence"] == module
+    assert tags["paritylab.distributed.ranks"] == "1" and tags["paritylab.distributed.finding"] == "rank"
+    assert params["candidate.world_size"] == "2" and params["candidate.options.defect"] == "rank1_scaled"
+    assert found.info.run_name.startswith("FAIL llama/tp") and found.info.run_name.endswith(f"@ {module}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["candidate.world_size=0"], "candidate.world_size=0 must be 1 or more (the number of ranks)"),
+        (
+            ["candidate=eager", "candidate.world_size=2"],
+            "candidate.world_size=2 needs candidate.kind=distributed and a candidate.builder run on every rank",
+        ),
+        (
+            ["candidate.builder=tp_llama.build"],
+            "candidate.builder='tp_llama.build': a distributed candidate needs a builder named "
+            "'package.module:function'",
+        ),
+        (
+            ["candidate.builder=paritylab.experiments.tp_llama:built"],
+            "candidate.builder='paritylab.experiments.tp_llama:built': paritylab.experiments.tp_llama has no "
+            "attribute 'built'",
+        ),
+        (["candidate.builder=no_such_package.tp:build"], "cannot import 'no_such_package.tp'"),
+        (
+            ["+candidate.call.kwargs.tokens=input_ids"],
+            "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls model(**inputs)",
+        ),
+        (["candidate.dtype=bfloat16"], "candidate.dtype=bfloat16 is not applied to a distributed candidate"),
+        (["generate.steps=2"], "generate.steps=2 needs the candidate model in this process"),
+        (["compare.noise_floor=on"], "compare.noise_floor=on needs the candidate model in this process"),
+    ],
+)
+def test_a_distributed_candidate_s_settings_are_checked_in_one_line(overrides: list[str], message: str) -> None:
+    from paritylab.cli.app import compose
+    from paritylab.run.config import ConfigError, check_targets
+
+    chosen = [] if any(item.startswith("candidate=") for item in overrides) else ["candidate=tp"]
+    with pytest.raises(ConfigError) as raised:
+        check_targets(compose(["model=llama", *chosen, "tracking=off", *overrides]))
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_builder_options_are_an_open_section_added_with_plus(capsys: pytest.CaptureFixture[str]) -> None:
+    from paritylab.cli.app import compose, preflight
+    from paritylab.run.config import check_targets
+
+    cfg = compose(["model=llama", "candidate=tp", "+candidate.options.defect=rank1_scaled", "tracking=off"])
+    check_targets(cfg)
+    assert cfg.candidate.options.defect == "rank1_scaled" and cfg.candidate.world_size == 2
+    with pytest.raises(SystemExit):
+        preflight(["model=llama", "candidate=tp", "candidate.options.defect=rank1_scaled", "tracking=off"])
+    assert capsys.readouterr().err.strip() == (
+        "paritylab: bad configuration: candidate.options.defect is not set yet: add it with "
+        "+candidate.options.defect=<value> (candidate.options takes any key)"
+    )
+
+
+def test_the_exit_codes_are_the_command_line_s() -> None:
+    from paritylab.distributed import EXIT_CODES
+    from paritylab.run.parity import EXIT_CODES as RUN_EXIT_CODES
+
+    assert EXIT_CODES == RUN_EXIT_CODES

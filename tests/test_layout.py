@@ -11,8 +11,8 @@ ALLOWED = {
     "comparison": {"tracing", "comparison"},
     "reports": {"tracing", "comparison", "reports"},
     "sink": {"tracing", "comparison", "reports", "sink"},  # the trend heatmap is drawn for MLflow
-    "run": {"tracing", "comparison", "reports", "sink", "run"},
-    "distributed": {"tracing", "comparison", "run", "distributed"},  # runs the candidate's ranks, compares merged
+    "distributed": {"tracing", "comparison", "distributed"},  # runs the candidate's ranks, compares merged traces
+    "run": {"tracing", "comparison", "reports", "sink", "distributed", "run"},  # candidate.kind=distributed
     "cli": {"tracing", "comparison", "reports", "sink", "run", "distributed", "cli"},
 }
 """Per layer, the layers its modules may import (at any depth: function-level imports count too)."""
@@ -40,6 +40,15 @@ def test_every_module_sits_in_a_layer_and_imports_only_below_it():
             for imported in sorted(_imported_layers(path) - allowed):
                 wrong.append(f"{layer}/{path.name} imports paritylab.{imported}")
     assert wrong == []
+
+
+def test_the_layers_are_an_order_so_imports_point_one_way():
+    """Each layer may import itself and the layers listed before it, never one after it: no two layers import
+    each other, at any distance."""
+    order = list(ALLOWED)
+    above = {layer: set(order[index + 1 :]) for index, layer in enumerate(order)}
+    upward = {layer: sorted(allowed & above[layer]) for layer, allowed in ALLOWED.items()}
+    assert upward == {layer: [] for layer in order}
 
 
 def test_each_layer_is_a_package_with_a_docstring():

@@ -1,6 +1,6 @@
 """Parity across ranks: a tensor-parallel or sharded candidate against a one-device reference.
 
->>> result = check_distributed(reference, "experiments.tp_llama:build", "runs/tp", world_size=2,
+>>> result = check_distributed(reference, "paritylab.experiments.tp_llama:build", "runs/tp", world_size=2,
 ...                            inputs={"input_ids": ids}, options={"config": reference.config.to_dict()})
 >>> result.verdict, result.finding.message if result.finding else "-"
 
@@ -9,6 +9,9 @@ The reference is traced in this process; the candidate runs on ``world_size`` ra
 trace of whole tensors (:mod:`.merge`: by DTensor placements where recorded, else by what the values prove),
 which paritylab's comparison judges as it judges any candidate; the first divergence is then attributed to ranks
 and to a kind of split defect (:mod:`.localise`). See ``docs/distributed.md``.
+
+Layering: this package uses ``tracing`` and ``comparison`` only; the Hydra run (``paritylab.run``) sits above it
+and runs a ``candidate.kind=distributed`` through :func:`compare_ranks` (``paritylab/run/distributed_phase.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from paritylab.comparison.alignment import Rule
 from paritylab.comparison.metrics import Tolerances
-from paritylab.comparison.report import Report
+from paritylab.comparison.report import Report, compare_traces
 from paritylab.distributed.launch import (
     DistributedError,
     LaunchResult,
@@ -35,9 +38,9 @@ from paritylab.distributed.launch import (
 )
 from paritylab.distributed.localise import RankFinding, localise
 from paritylab.distributed.merge import MergedTrace, SlotMerge, merge_ranks
-from paritylab.run.parity import EXIT_CODES, compare, trace_model
 from paritylab.tracing.files import write_json
 from paritylab.tracing.tracefile import TRACE_FILE, Trace
+from paritylab.tracing.tracer import TraceOptions, Tracer
 
 __all__ = [
     "DistributedError",
@@ -56,6 +59,9 @@ __all__ = [
 ]
 
 SUMMARY_FILE = "distributed.json"
+EXIT_CODES = {"pass": 0, "fail": 1, "error": 2, "inconclusive": 3}
+"""The command line's exit code per verdict: ``paritylab.run.parity.EXIT_CODES`` (which sits above this package;
+``tests/test_distributed.py`` holds the two equal)."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,9 @@ def check_variants(
     directory = Path(directory)
     kwargs = dict(call_kwargs or {})
     call = reference_call or (lambda model: model(**inputs, **kwargs))
-    reference_trace = trace_model(reference, call, directory / "reference")
+    with Tracer(reference, directory / "reference", TraceOptions(save_tensors=True)):
+        call(reference)
+    reference_trace = Trace.load(directory / "reference")
     ranks = directory / "ranks"
     prepare(ranks, inputs, state_dict_of(reference) if share_weights else None)
     spec = LaunchSpec(
@@ -203,9 +211,11 @@ def compare_ranks(
     tolerances: Tolerances | None = None,
     noise_multiple: float = 4.0,
     partial_outputs: Sequence[str] = (),
+    pinned: bool = False,
 ) -> DistributedResult:
     """Merge rank traces already written (``rank_directories``, rank order) into ``directory/candidate``,
-    compare them with ``reference`` and localise; writes ``directory/distributed.json``."""
+    compare them with ``reference`` and localise; writes ``directory/distributed.json``. ``pinned``: ``rules``
+    are a frozen alignment (:func:`~paritylab.comparison.report.compare_traces`)."""
     directory = Path(directory)
     absent = [rank for rank, path in enumerate(rank_directories) if not (Path(path) / TRACE_FILE).is_file()]
     if absent:
@@ -215,7 +225,9 @@ def compare_ranks(
         [Path(path) for path in rank_directories], directory / "candidate", reference,
         tolerances=tolerances, partial_outputs=partial_outputs,
     )  # fmt: skip
-    report = compare(reference, merged.trace, rules=rules, tolerances=tolerances, noise_multiple=noise_multiple)
+    report = compare_traces(
+        reference, merged.trace, rules=rules, tolerances=tolerances, noise_multiple=noise_multiple, pinned=pinned
+    )
     finding = localise(report, merged, launch, reference)
     result = DistributedResult(report, reference, merged, finding, directory, launch)
     write_json(directory / SUMMARY_FILE, result.summary(), indent=1)

@@ -253,9 +253,13 @@ def resolve(spec: str, what: str = "builder") -> Callable[..., Any]:
     return target
 
 
+ORDER_KEY = "paritylab.order"
+"""safetensors metadata: the tensors' names in the order they were given (the file itself sorts them)."""
+
+
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """Write tensors as safetensors (contiguous CPU copies; tensors sharing memory, such as tied weights, are
-    each written whole)."""
+    each written whole), with their order (:func:`load_tensors` gives them back in it)."""
     from safetensors.torch import save_file
 
     seen: set[tuple[int, int]] = set()
@@ -265,7 +269,19 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
         plain[name] = value.clone() if key in seen else value  # safetensors refuses shared storage
         seen.add(key)
-    save_file(plain, str(path))
+    save_file(plain, str(path), metadata={ORDER_KEY: json.dumps(list(plain))})
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors :func:`save_tensors` wrote, in the order it was given them: a forward called with
+    ``**inputs`` receives its keyword arguments in the reference's order (a trace records them in order)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as handle:
+        order = json.loads((handle.metadata() or {}).get(ORDER_KEY, "[]"))
+    tensors = load_file(str(path))
+    return {**{name: tensors[name] for name in order if name in tensors}, **tensors}
 
 
 def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.distributed.launch import INPUTS_FILE, STATUS_FILE, WEIGHTS_FILE, LaunchSpec, RankContext, resolve
+from paritylab.distributed.launch import (
+    INPUTS_FILE,
+    STATUS_FILE,
+    WEIGHTS_FILE,
+    LaunchSpec,
+    RankContext,
+    load_tensors,
+    resolve,
+)
 from paritylab.distributed.placements import PlacementRecorder
 from paritylab.tracing.files import write_json
 from paritylab.tracing.tracer import TraceOptions, Tracer
@@ -91,9 +99,7 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
         model = resolve(spec.builder)(context)
         if not isinstance(model, nn.Module):
             raise TypeError(f"builder {spec.builder} returned {type(model).__name__}, not an nn.Module")
-        from safetensors.torch import load_file
-
-        inputs = load_file(str(spec.directory / INPUTS_FILE))
+        inputs = load_tensors(spec.directory / INPUTS_FILE)
         call = resolve(spec.call, "call") if spec.call else None
         status.enter("forward")
         tracer = Tracer(model, folder, TraceOptions(**_trace_options(spec, rank)))

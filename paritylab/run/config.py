@@ -13,6 +13,7 @@ import importlib
 import importlib.resources
 import inspect
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ class CandidateKind(enum.StrEnum):
     attention = "attention"
     compiled = "compiled"
     target = "target"
+    distributed = "distributed"
 
 
 class NoiseFloor(enum.StrEnum):
@@ -115,7 +117,8 @@ class PortConfig:
 
 @dataclass
 class CandidateConfig:
-    """A port, a variant of the reference (dtype, attention kernel, torch.compile), or any callable."""
+    """A port, a variant of the reference (dtype, attention kernel, torch.compile), any callable, or a candidate
+    run on several ranks (``kind: distributed``, :mod:`paritylab.run.distributed_phase`)."""
 
     name: str = MISSING
     kind: CandidateKind = MISSING
@@ -127,6 +130,20 @@ class CandidateConfig:
     weight_map: str | None = None
     ports: dict[str, PortConfig] = field(default_factory=dict)
     call: CallConfig = field(default_factory=CallConfig)
+    world_size: int = 1
+    """``kind: distributed``: how many ranks (gloo processes on this machine) run the candidate."""
+    builder: str | None = None
+    """``kind: distributed``: ``"package.module:function"``, called on every rank with a
+    :class:`~paritylab.distributed.launch.RankContext` (rank, world size, the reference's weights, a device mesh,
+    ``options``); it returns the rank's share of the candidate, which is called as ``model(**inputs)``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """``kind: distributed``: JSON handed to the builder as ``context.options``. A transformers reference's
+    ``config.to_dict()`` is added as ``config`` unless set."""
+    partial_outputs: list[str] = field(default_factory=list)
+    """``kind: distributed``: module path patterns whose plain outputs are partial sums by design (the caller
+    all-reduces them), summed when the rank traces are merged."""
+    timeout_s: float = 600.0
+    """``kind: distributed``: wall-clock limit of the ranks' run (and of any one collective)."""
 
 
 @dataclass
@@ -327,6 +344,53 @@ def check_settings(cfg: DictConfig) -> None:
     if kind in ("file", "prompts") and not (path and Path(str(path)).is_file()):
         what = "a safetensors file of named tensors" if kind == "file" else 'a JSONL file of {"prompt": ...} lines'
         raise ConfigError(f"inputs={kind} needs inputs.path=<{what}>; got {path!r}")
+    check_ranks(cfg)
+
+
+BUILDER_FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+"""``package.module:function`` (the function may be an attribute path, ``module:Class.build``)."""
+
+
+def check_ranks(cfg: DictConfig) -> None:
+    """``candidate.world_size`` and, for ``kind: distributed``, what the ranks need: a builder named as
+    ``"module:function"``, a forward called as ``model(**inputs)``, and no phase that needs the candidate model
+    in this process asked for explicitly."""
+    candidate = cfg.candidate
+    world_size = candidate.get("world_size", 1)
+    if world_size < 1:
+        raise ConfigError(f"candidate.world_size={world_size} must be 1 or more (the number of ranks)")
+    if str(candidate.kind) != "distributed":
+        if world_size > 1:
+            raise ConfigError(
+                f"candidate.world_size={world_size} needs candidate.kind=distributed and a candidate.builder run on "
+                "every rank (e.g. candidate=tp); other candidates run in this process"
+            )
+        return
+    builder = candidate.get("builder")
+    if not builder or not BUILDER_FORM.fullmatch(str(builder)):
+        raise ConfigError(
+            f"candidate.builder={builder!r}: a distributed candidate needs a builder named 'package.module:function' "
+            "(e.g. candidate.builder=paritylab.experiments.tp_llama:build)"
+        )
+    if candidate.call.args or candidate.call.kwargs:
+        raise ConfigError(
+            "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls "
+            "model(**inputs); remove them (candidate.call.drop still leaves inputs out)"
+        )
+    if candidate.get("dtype") is not None:
+        raise ConfigError(
+            f"candidate.dtype={candidate.dtype} is not applied to a distributed candidate (its ranks build it): "
+            "cast in the builder (pass the dtype in candidate.options), or set candidate.dtype=null"
+        )
+    asked = {"compare.noise_floor": str(cfg.compare.noise_floor) == "on"}
+    generate = cfg.get("generate")
+    asked["generate.steps"] = generate is not None and int(generate.steps) > 0
+    for key, value in asked.items():
+        if value:
+            raise ConfigError(
+                f"{key}={OmegaConf.select(cfg, key)} needs the candidate model in this process, and a distributed "
+                f"candidate's lives on its ranks (free run only): leave {key} at its default"
+            )
 
 
 def check_writable(key: str, directory: Path) -> None:
@@ -362,6 +426,27 @@ def check_targets(cfg: DictConfig) -> None:
         nodes.append((f"candidate.ports.{family}.build", port.build))
     for key, node in nodes:
         check_target(key, OmegaConf.to_container(node, resolve=True), allowed_extra=("reference",))
+    if str(cfg.candidate.kind) == "distributed":
+        resolve_builder("candidate.builder", str(cfg.candidate.builder))
+
+
+def resolve_builder(key: str, named: str) -> Any:
+    """The function ``"package.module:function"`` names (each rank imports it as this process does); a one-line
+    error says what could not be found."""
+    module_name, _, attribute = named.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"{key}={named!r}: cannot import {module_name!r} ({error}); check the spelling, or put it on PYTHONPATH"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{key}={named!r}: {module_name} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{key}={named!r} is not callable: name a function taking a RankContext")
+    return target
 
 
 def check_target(key: str, node: Any, allowed_extra: tuple[str, ...] = ()) -> None:

@@ -24,12 +24,13 @@ OPEN_SECTIONS = (
     "model.build",
     "candidate.build",
     "candidate.ports",
+    "candidate.options",
     "model.call.kwargs",
     "candidate.call.kwargs",
     "compare.modules",
 )
-"""Sections whose keys are the user's: a builder's arguments, a port per model family, a forward's keyword
-arguments, per-module tolerances."""
+"""Sections whose keys are the user's: a builder's arguments, a port per model family, a distributed builder's
+options, a forward's keyword arguments, per-module tolerances."""
 _NOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
 _NOT_FOUND = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 
@@ -108,6 +109,9 @@ def explain(error: BaseException, cfg: DictConfig | None, groups: Mapping[str, l
 
 
 def _unknown(key: str, known: set[str]) -> str:
+    if is_open(key):  # a key of an open section that is not there yet: Hydra adds it only with +
+        section = next(name for name in OPEN_SECTIONS if key == name or key.startswith(name + "."))
+        return f"{key} is not set yet: add it with +{key}=<value> ({section} takes any key)"
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return (

@@ -26,8 +26,10 @@ from paritylab.comparison.alignment import Rule, load_rules
 from paritylab.comparison.lifted import LiftedReplay, lifts
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
+from paritylab.distributed import DistributedError
 from paritylab.reports.plots import write_plots
 from paritylab.reports.render import headline, rows_table, to_console, to_html, to_json, to_markdown
+from paritylab.run import distributed_phase
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.identity import run_name, run_tags
@@ -156,6 +158,9 @@ class _Session:
         except ConfigError as failure:
             status, code, error = "FAILED", EXIT_ERROR, one_line(failure)
             self.echo(f"paritylab: {error}")
+        except DistributedError as failure:  # a candidate's rank produced no trace: one line naming the rank
+            status, code, error = "FAILED", EXIT_ERROR, str(failure)
+            self.echo(f"paritylab: {error}")
         except Exception as failure:  # a forward or a build raised: keep and log everything produced
             status, code, error = "FAILED", EXIT_ERROR, f"{type(failure).__name__}: {failure}"
             if no_space(failure):  # one line that says what to do; the later writes that fail too say nothing more
@@ -237,6 +242,8 @@ class _Session:
         ref_trace = self._trace("reference", reference, ref_run)
         self._check_output("model", ref_trace)
         self._mark("trace reference")
+        if distributed_phase.is_distributed(cfg.candidate):
+            return self._distributed(reference, inputs, ref_trace)
         one_resident = self._one_resident(reference)
         if one_resident:
             self._offload("reference", reference)
@@ -253,7 +260,7 @@ class _Session:
             self._offload("candidate", candidate.model)
         floors = self._noise_floor(reference, candidate, ref_run, ref_trace, cand_trace)
         self._mark("noise floor")
-        rules = self._rules(candidate, ref_trace, cand_trace)
+        rules = self._rules(candidate.rules, ref_trace, cand_trace.calls[0].path if cand_trace.calls else None)
         tolerances = Tolerances.from_config(OmegaConf.to_container(cfg.compare, resolve=True))  # type: ignore[arg-type]
         self.echo("paritylab: comparing")
         frozen = self._frozen_alignment()
@@ -309,6 +316,30 @@ class _Session:
             self._mark("generate")
         self.echo(to_console(report))
         return ParityResult(report, free_run, ref_trace, cand_trace, floors, self.directory)
+
+    def _distributed(self, reference: nn.Module, inputs: dict[str, torch.Tensor], ref_trace: Trace) -> ParityResult:
+        """``candidate.kind=distributed``: the candidate on its ranks, their traces merged and compared, the first
+        divergence named by module and rank (:mod:`paritylab.run.distributed_phase`); free run only."""
+        self.notes.append(distributed_phase.FREE_RUN_ONLY)
+        self.echo(f"paritylab: {distributed_phase.FREE_RUN_ONLY}")
+        launched = distributed_phase.launch(self.cfg, reference, inputs, self.directory, self.echo)
+        self._mark("ranks")
+        frozen = self._frozen_alignment()
+        own = load_rules(resolve_path(self.cfg.candidate.rules)) if self.cfg.candidate.rules else []
+        rules = load_rules(frozen) if frozen is not None else self._rules(own, ref_trace, "")  # a rank's root: ""
+        self.echo("paritylab: merging the ranks' traces and comparing")
+        result = distributed_phase.judge(self.cfg, launched, ref_trace, self.directory, rules, frozen is not None)
+        report = self._keep(result.report)
+        self._mark("compare")
+        self.notes.extend(distributed_phase.summary_notes(result))
+        self.record.tags.update(distributed_phase.summary_tags(result))
+        self.echo(to_console(report))
+        line = distributed_phase.finding_line(result)
+        if line:
+            self.echo(line)
+        if result.verdict == "error" and not report.errors:  # a rank failed after its forward was traced
+            raise DistributedError(launched.error_line())
+        return ParityResult(report, report, ref_trace, result.candidate.trace, None, self.directory)
 
     def _keep(self, report: Report) -> Report:
         """``report`` is the run's latest: written to disk now (a later fault keeps it) and logged at the end."""
@@ -455,12 +486,14 @@ class _Session:
             return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
 
-    def _rules(self, candidate: Candidate, reference: Trace, traced: Trace) -> list[Rule]:
+    def _rules(self, own: list[Rule], reference: Trace, root: str | None) -> list[Rule]:
+        """``compare.rules``, "the output" of each side (``root``: the candidate's root call path) and the
+        candidate's ``own`` rules, in that order."""
         extra = load_rules(resolve_path(self.cfg.compare.rules)) if self.cfg.compare.rules else []
         chosen = [self._output(key) for key in ("model", "candidate")]
-        if chosen != [None, None] and reference.calls and traced.calls:  # "the output", as each side's call says
-            extra = [Rule(reference.calls[0].path, traced.calls[0].path, chosen[0], chosen[1]), *extra]
-        return extra + candidate.rules
+        if chosen != [None, None] and reference.calls and root is not None:  # "the output", as each side's call says
+            extra = [Rule(reference.calls[0].path, root, chosen[0], chosen[1]), *extra]
+        return extra + own
 
     def _drill_down(
         self,
