@@ -185,7 +185,29 @@ def _plan(
         replacement = _replacement(reference, candidate, pair)
         if replacement is not None:
             plan.setdefault(pair.candidate, []).append(replacement)
+            plan[pair.candidate].extend(_other_outputs(reference, candidate, pair, replacement.slot))
     return plan
+
+
+def _other_outputs(reference: Trace, candidate: Trace, pair: Pair, primary: str) -> list[_Replacement]:
+    """The pair's other output tensors where both sides return the same structure (a rotary module's ``sin``
+    beside its ``cos``, an attention's weights beside its output): the same slot, shape and floating dtype on
+    both sides, so the module downstream is fed all of the reference's values, not only the compared one."""
+    if pair.reference_part is not None or pair.candidate_part is not None or pair.reference_index is not None:
+        return []
+    ref_call, cand_call = reference.call(pair.reference), candidate.call(pair.candidate)
+    theirs = dict(iter_tensors(cand_call.outputs, "outputs"))
+    found = []
+    for slot, node in iter_tensors(ref_call.outputs, "outputs"):
+        other = theirs.get(slot)
+        if slot == primary or other is None or other.get("shape") != node.get("shape"):
+            continue
+        if not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+            continue
+        value = reference.tensor(node)
+        if value is not None:
+            found.append(_Replacement(slot, value, None))
+    return found
 
 
 def _replacement(reference: Trace, candidate: Trace, pair: Pair) -> _Replacement | None:
