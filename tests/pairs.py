@@ -1,8 +1,9 @@
 """Pairs of independently written implementations, with planting sites whose true counterpart is known.
 
-Each pair: a transformers reference, a candidate written by other people (TransformerLens) or by us (the
-LLaVA port), weights converted by the candidate library's own tools, and the forward call of each side
-(TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
+Each pair: a transformers reference, a candidate written by other people (TransformerLens, MONAI,
+openai-whisper, torch's own ``nn.TransformerEncoder``) or by us (the LLaVA port), weights converted by the
+candidate library's own tools or, where it has none, by a name map kept here as data, and the forward call of
+each side (TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
 module(s) that compute the same thing: the answer a localisation must give when a bug is planted there.
 Used by ``tests/test_pairs.py`` and ``benchmarks/pairs.py``.
 """
@@ -49,11 +50,21 @@ def monai_available() -> str | None:
     return None
 
 
+def whisper_available() -> str | None:
+    """Why the Whisper pair cannot run here, or None when it can."""
+    try:
+        from whisper.model import Whisper  # noqa: F401
+    except Exception as error:
+        return f"openai-whisper is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
-    if name == "llava":
+    if name in ("llava", "clip-text"):  # our port; torch's own nn.TransformerEncoder
         return None
-    return monai_available() if name == "vit" else transformer_lens_available()
+    checks = {"vit": monai_available, "whisper": whisper_available}
+    return checks.get(name, transformer_lens_available)()
 
 
 SEED = [0]
@@ -381,6 +392,215 @@ def vit_monai(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     )  # fmt: skip
 
 
+# openai-whisper's module -> transformers' (``{}``: the layer number), the whole weight conversion of the
+# Whisper pair: each module's ``weight`` and ``bias`` are copied from its counterpart's. openai-whisper has no
+# converter from transformers (its checkpoints are its own), so this map is it.
+WHISPER_MODULES = {
+    "encoder.conv1": "model.encoder.conv1",
+    "encoder.conv2": "model.encoder.conv2",
+    "encoder.ln_post": "model.encoder.layer_norm",
+    "decoder.token_embedding": "model.decoder.embed_tokens",  # also the unembedding (read, not called)
+    "decoder.ln": "model.decoder.layer_norm",
+}
+WHISPER_BLOCK = {  # under encoder.blocks.{} / model.encoder.layers.{} and decoder.blocks.{} / model.decoder.layers.{}
+    "attn.query": "self_attn.q_proj",
+    "attn.key": "self_attn.k_proj",  # no bias on either side
+    "attn.value": "self_attn.v_proj",
+    "attn.out": "self_attn.out_proj",
+    "attn_ln": "self_attn_layer_norm",
+    "mlp.0": "fc1",
+    "mlp.2": "fc2",
+    "mlp_ln": "final_layer_norm",
+}
+WHISPER_CROSS = {  # the decoder's blocks only
+    "cross_attn.query": "encoder_attn.q_proj",
+    "cross_attn.key": "encoder_attn.k_proj",
+    "cross_attn.value": "encoder_attn.v_proj",
+    "cross_attn.out": "encoder_attn.out_proj",
+    "cross_attn_ln": "encoder_attn_layer_norm",
+}
+WHISPER_TABLES = {  # tensors that are no module's weight: the encoder's fixed sinusoids (a buffer there, the
+    # frozen weight of an nn.Embedding called on every position here) and the decoder's learned positions
+    "encoder.positional_embedding": "model.encoder.embed_positions.weight",
+    "decoder.positional_embedding": "model.decoder.embed_positions.weight",
+}
+
+
+def _whisper_modules(layers: int) -> dict[str, str]:
+    """WHISPER_MODULES with every block's modules, layer numbers filled in."""
+    modules = dict(WHISPER_MODULES)
+    for side, parts in (("encoder", WHISPER_BLOCK), ("decoder", WHISPER_BLOCK | WHISPER_CROSS)):
+        for i in range(layers):
+            ours, theirs = f"{side}.blocks.{i}", f"model.{side}.layers.{i}"
+            modules |= {f"{ours}.{mine}": f"{theirs}.{source}" for mine, source in parts.items()}
+    return modules
+
+
+def whisper(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers WhisperForConditionalGeneration against OpenAI's ``openai-whisper`` (an encoder-decoder): a
+    conv stem whose GELUs are functions, the encoder's sinusoidal positions a buffer added in the encoder's own
+    code (transformers calls a frozen ``nn.Embedding`` for them), the decoder's learned positions a bare
+    parameter, attention whose scale is split as d^-1/4 on q and k (transformers scales q by d^-1/2) and runs
+    through ``scaled_dot_product_attention`` with ``is_causal``, cross-attention on the encoder's output, norms
+    computed in float32 whatever the model's dtype, the MLP an ``nn.Sequential`` holding what transformers
+    keeps as ``fc1`` and ``fc2`` directly in the layer, and logits read off the token embedding's weight inside
+    the decoder's forward (transformers: a ``proj_out`` module tied to that weight)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from whisper.model import ModelDimensions, Whisper
+
+    width, heads, vocab, mels, audio, text = 64, 4, 128, 16, 16, 32
+    config = WhisperConfig(
+        vocab_size=vocab, num_mel_bins=mels, d_model=width, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=4 * width,
+        decoder_ffn_dim=4 * width, max_source_positions=audio, max_target_positions=text, activation_function="gelu",
+        pad_token_id=1, bos_token_id=2, eos_token_id=1, decoder_start_token_id=2,  # the defaults exceed this vocab
+    )  # fmt: skip
+    reference = _seeded_reference(WhisperForConditionalGeneration, config)
+    dimensions = ModelDimensions(
+        n_mels=mels, n_audio_ctx=audio, n_audio_state=width, n_audio_head=heads, n_audio_layer=layers,
+        n_vocab=vocab, n_text_ctx=text, n_text_state=width, n_text_head=heads, n_text_layer=layers,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # every initial weight is replaced below
+        candidate = Whisper(dimensions).eval()
+    weights = reference.state_dict()
+    converted = {ours: weights[theirs] for ours, theirs in WHISPER_TABLES.items()}
+    for ours, theirs in _whisper_modules(layers).items():
+        for kind in ("weight", "bias"):
+            if f"{theirs}.{kind}" in weights:
+                converted[f"{ours}.{kind}"] = weights[f"{theirs}.{kind}"]
+    candidate.load_state_dict(converted)  # strict: every weight and buffer it keeps has its source
+    candidate = candidate.to(dtype)
+    for module in candidate.modules():  # its norms compute in float32 on float32 weights whatever the model's
+        if isinstance(module, nn.LayerNorm):  # dtype (on CPU, layer_norm refuses float32 input with bf16 weights)
+            module.float()
+    generator = torch.Generator().manual_seed(SEED[0] + 1)
+    mel = torch.randn(2, mels, 2 * audio, generator=generator)  # the conv stem halves it to the encoder's context
+    ids = _ids(vocab)
+
+    def cast(to: torch.dtype) -> Callable[[nn.Module], Any]:
+        return lambda m: m(input_features=mel.to(to), decoder_input_ids=ids)
+
+    sites = {ours: (theirs,) for ours, theirs in _whisper_modules(layers).items()}
+    for side in ("encoder", "decoder"):
+        for i in range(layers):
+            ours, theirs = f"{side}.blocks.{i}", f"model.{side}.layers.{i}"
+            sites |= {
+                f"{ours}.attn": (f"{theirs}.self_attn",),
+                f"{ours}.mlp.1": (f"{theirs}.activation_fn",),
+                f"{ours}.mlp": (f"{theirs}.fc2",),  # holds fc1's and fc2's weights: a run ending at fc2
+            }
+            if side == "decoder":
+                sites[f"{ours}.cross_attn"] = (f"{theirs}.encoder_attn",)
+    sites |= {"encoder": ("model.encoder",), "decoder": ("proj_out",)}  # the decoder returns the logits
+    # Left unpaired by the alignment when clean: the MLP containers (their last child, paired with fc2, makes
+    # their output), the encoder (transformers' also holds the position table as a parameter) and the decoder
+    # (its output is the logits, transformers' decoder's the normed hidden states).
+    unpaired = ("encoder", "decoder", *(s for s in sites if s.endswith(".mlp")))
+    return PairCase(
+        "whisper/openai-whisper", reference, candidate, cast(torch.float32), lambda m: m(mel.to(dtype), ids), sites,
+        cast, unpaired,
+    )  # fmt: skip
+
+
+class TorchTextTransformer(nn.Module):
+    """open_clip's ``TextTransformer`` layout (a token embedding, a bare positional parameter, a causal stack, a
+    final norm, the end-of-text token pooled and projected) around torch's own ``nn.TransformerEncoder``: each
+    layer's attention is ``nn.MultiheadAttention``, whose query, key and value weights are one parameter of the
+    attention itself and whose ``out_proj`` child is never called (the parent reads its weight)."""
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, context: int, mlp: int, output: int) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab, width)
+        self.positional_embedding = nn.Parameter(torch.zeros(context, width))
+        layer = nn.TransformerEncoderLayer(
+            width, heads, mlp, dropout=0.0, activation=nn.GELU(), layer_norm_eps=1e-5, batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.ln_final = nn.LayerNorm(width, eps=1e-5)
+        self.text_projection = nn.Linear(width, output, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = ids.shape[1]
+        x = self.token_embedding(ids) + self.positional_embedding[:length]
+        mask = nn.Transformer.generate_square_subsequent_mask(length, dtype=x.dtype)  # -inf above the diagonal
+        x = self.ln_final(self.transformer(x, mask=mask, is_causal=True))
+        pooled = x[torch.arange(x.shape[0]), ids.argmax(dim=-1)]  # the highest id: end of text, as CLIP's
+        return self.text_projection(pooled), x
+
+
+# TorchTextTransformer's module -> transformers CLIPTextModelWithProjection's, the whole weight conversion of the
+# pair: each module's ``weight`` and ``bias`` are copied from its counterpart's.
+CLIP_TEXT_MODULES = {
+    "token_embedding": "text_model.embeddings.token_embedding",
+    "ln_final": "text_model.final_layer_norm",
+    "text_projection": "text_projection",
+}
+CLIP_TEXT_LAYER = {  # under transformer.layers.{} / text_model.encoder.layers.{}
+    "norm1": "layer_norm1",
+    "self_attn.out_proj": "self_attn.out_proj",  # read by its parent, never called
+    "norm2": "layer_norm2",
+    "linear1": "mlp.fc1",
+    "linear2": "mlp.fc2",
+}
+CLIP_TEXT_FUSED = {  # nn.MultiheadAttention's own parameters (``{}``: weight or bias): q, k, v concatenated
+    "self_attn.in_proj_{}": ("self_attn.q_proj.{}", "self_attn.k_proj.{}", "self_attn.v_proj.{}"),
+}
+CLIP_TEXT_TABLES = {"positional_embedding": "text_model.embeddings.position_embedding.weight"}
+
+
+def clip_text_mha(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers CLIPTextModelWithProjection against torch's ``nn.TransformerEncoder`` in open_clip's text
+    tower layout (``TorchTextTransformer``): fused query/key/value weights held by the attention module itself,
+    an output projection read by its parent, dropout and GELU modules inside each layer, a float causal mask."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    width, heads, vocab, context, mlp, output = 64, 4, 128, 32, 256, 32
+    config = CLIPTextConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=context, hidden_act="gelu", projection_dim=output,
+        layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2,  # 2: pool at the highest id
+    )  # fmt: skip
+    reference = _seeded_reference(CLIPTextModelWithProjection, config)
+    with torch.random.fork_rng(devices=[]):  # every initial weight is replaced below
+        candidate = TorchTextTransformer(vocab, width, heads, layers, context, mlp, output).eval()
+    weights = reference.state_dict()
+    converted = {ours: weights[theirs] for ours, theirs in CLIP_TEXT_TABLES.items()}
+    modules = dict(CLIP_TEXT_MODULES)
+    for i in range(layers):
+        ours, theirs = f"transformer.layers.{i}", f"text_model.encoder.layers.{i}"
+        modules |= {f"{ours}.{mine}": f"{theirs}.{source}" for mine, source in CLIP_TEXT_LAYER.items()}
+        for kind in ("weight", "bias"):
+            for mine, parts in CLIP_TEXT_FUSED.items():
+                converted[f"{ours}.{mine.format(kind)}"] = torch.cat(
+                    [weights[f"{theirs}.{p.format(kind)}"] for p in parts]
+                )
+    for ours, theirs in modules.items():
+        for kind in ("weight", "bias"):
+            if f"{theirs}.{kind}" in weights:
+                converted[f"{ours}.{kind}"] = weights[f"{theirs}.{kind}"]
+    candidate.load_state_dict(converted)  # strict: every parameter has its source
+    candidate = candidate.to(dtype)
+    ids = _ids(vocab)
+    sites = {
+        "token_embedding": ("text_model.embeddings.token_embedding",),
+        "ln_final": ("text_model.final_layer_norm",),
+        "text_projection": ("text_projection",),
+    }
+    for i in range(layers):
+        ours, theirs = f"transformer.layers.{i}", f"text_model.encoder.layers.{i}"
+        sites |= {
+            f"{ours}.norm1": (f"{theirs}.layer_norm1",),
+            f"{ours}.self_attn": (f"{theirs}.self_attn",),  # out_proj inside, never called
+            f"{ours}.norm2": (f"{theirs}.layer_norm2",),
+            f"{ours}.linear1": (f"{theirs}.mlp.fc1",),
+            f"{ours}.activation": (f"{theirs}.mlp.activation_fn",),
+            f"{ours}.linear2": (f"{theirs}.mlp.fc2",),
+            ours: (theirs,),
+        }
+    return PairCase("clip-text/torch.nn", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
     folded norms or centred weights: the same computation as the original)."""
@@ -417,6 +637,8 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "bert": bert,
     "vit": vit_monai,
     "llava": llava_port,
+    "whisper": whisper,
+    "clip-text": clip_text_mha,
 }
 KINDS = ("scale", "offset", "noise")
 

