@@ -18,11 +18,8 @@ PAIR_NAMES = [
 ]
 
 
-KNOWN_MISSES = {
-    # Sites whose plant is named elsewhere (docs/alignment.md, the Whisper pair): findings about the tool, left
-    # out of the slices below and pinned by test_whisper_container_outputs_are_named_at_their_counterpart.
-    "whisper": ("encoder", "decoder"),
-}
+KNOWN_MISSES: dict[str, tuple[str, ...]] = {}
+"""Sites whose plant is named elsewhere (findings about the tool), left out of the slices below: none now."""
 
 
 STRIDE = {"whisper": 3}  # 61 sites: every third keeps its slices near the other pairs' time (~4 s, not ~12 s)
@@ -82,17 +79,14 @@ def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
     assert missed == []
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="finding: an unpaired container's output error is named elsewhere"
-)
 @pytest.mark.parametrize(("site", "kind"), [("encoder", "offset"), ("decoder", "scale")])
 def test_whisper_container_outputs_are_named_at_their_counterpart(site, kind, tmp_path):
     """openai-whisper's encoder returns its last norm's output, its decoder the logits it computes from its own
     token embedding's weight; neither is paired (transformers' encoder also holds its position table as a
     parameter, and its decoder returns hidden states: the logits are proj_out's). A 1 % error in the encoder's
-    output is named at the decoder's first cross-attention ("its own code between its children gives
-    encoder_attn.k_proj a value the reference does not"), one in the decoder's at the root model. Strict:
-    when the tool names them at their counterparts, drop them from KNOWN_MISSES."""
+    output is named at transformers' encoder, whose counterpart returns its norm's value unchanged (it was named
+    at the decoder's first cross-attention); one in the decoder's logits at proj_out, which made the model's
+    output (it was named at the root)."""
     if unavailable("whisper"):
         pytest.skip(unavailable("whisper"))
     case = PAIRS["whisper"](torch.float32)

@@ -353,7 +353,13 @@ def compare_traces(
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
-        if first.index in charged:
+        maker = _unmatched_maker(first, rows, reference, candidate, alignment)
+        if maker is not None:  # the origin only hands on what a module with no counterpart made inside it
+            maker.diverged, maker.cause, first.cause = True, "origin", "contains-origin"
+            origins = [maker, *(row for row in origins if row is not first), first]
+            first, reason = maker, f"it made {first.path or '<root>'}'s output, which diverges while its input agrees"
+            reason += "; it has no counterpart in the candidate"
+        elif first.index in charged:
             reason = charged[first.index]
         elif first.status == "unmatched":
             reason = "divergence starts inside this module, which has no counterpart in the candidate"
@@ -370,6 +376,26 @@ def compare_traces(
         candidate_meta=candidate.meta,
         first_nonfinite={"reference": _first_nonfinite(reference), "candidate": _first_nonfinite(candidate)},
     )
+
+
+def _unmatched_maker(row: Row, rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment) -> Row | None:
+    """The reference call inside ``row`` that made the output ``row`` compares (data flow), when it has no
+    counterpart and the candidate's output too was made by a call inside its side with none: the two makers
+    stand for each other (a model's logits made by ``proj_out`` on one side, inside the decoder on the other).
+    Where the candidate's module makes its output in its own code, the whole of ``row`` is its counterpart."""
+    if row.status != "compared" or row.reference.slot is None or row.candidate is None or row.candidate.slot is None:
+        return None
+    node = _node_at(reference.calls[row.index], row.reference.slot)
+    made = node.get("from") if node is not None else None
+    other_call = candidate.call(row.candidate.key)
+    other_node = _node_at(other_call, row.candidate.slot)
+    theirs = other_node.get("from") if other_node is not None else None
+    if not isinstance(made, int) or made == row.index or not isinstance(theirs, int) or theirs == other_call.index:
+        return None
+    if theirs >= len(candidate.calls) or candidate.calls[theirs].key not in set(alignment.unmatched_candidate):
+        return None
+    maker = next((other for other in rows if other.index == made), None)
+    return maker if maker is not None and maker.status == "unmatched" else None
 
 
 def _check_other_outputs(

@@ -79,11 +79,26 @@ def verify_pairs(
         # its class's other calls hand their input on exactly: any change at this one is the bug, in any precision
         if change > 0 and source is not None:
             _charge(source, other.path, change, "code with no counterpart, such as a hook point", charged)
-    for wrapper, child, change in _changed_wrappers(candidate, alignment):
+    for wrapper, child, change, alike in _changed_wrappers(candidate, alignment):
         source = by_index.get(reverse.get(child, -1))
-        if source is not None:
+        if source is None:
+            continue
+        holder = _handed_on_by(reference, source, by_index)
+        if holder is not None:  # the reference's container hands its child's value on; the candidate's does not
+            _charge(holder, wrapper.path, change, f"its counterpart returns {source.path}'s value unchanged", charged)
+        elif alike:
             _charge(source, wrapper.path, change, "a wrapper whose other calls return their child's value", charged)
     return charged
+
+
+def _handed_on_by(reference: Trace, row: Row, by_index: Mapping[int, Row]) -> Row | None:
+    """The unmatched reference call enclosing ``row`` whose output is ``row``'s output, handed on as it was made
+    (data flow: a container returning its last module's value, as an encoder returns its final norm's)."""
+    parent = by_index.get(row.parent) if row.parent is not None else None
+    if parent is None or parent.status != "unmatched":
+        return None
+    node = _first(reference.calls[parent.index], "outputs")
+    return parent if node is not None and node.get("from") == row.index else None
 
 
 def _charge(source: Row, where: str, change: float, what: str, charged: dict[int, str]) -> None:
@@ -98,11 +113,13 @@ def _charge(source: Row, where: str, change: float, what: str, charged: dict[int
     charged[source.index] = source.note
 
 
-def _changed_wrappers(candidate: Trace, alignment: Alignment) -> list[tuple[CallRecord, int, float]]:
+def _changed_wrappers(candidate: Trace, alignment: Alignment) -> list[tuple[CallRecord, int, float, bool]]:
     """Unpaired candidate calls that wrap a paired call and hand on its output (a ``Sequential`` around an MLP
     that the other side does not have) but changed it at this call, while every other call of their class
     returns its last child's value exactly: ``(the wrapper, the child's call index, the relative change)``.
-    A class seen once, or whose calls change their child's value as a rule (a residual wrapper), is left alone.
+    The last item says whether the class gives that evidence (seen twice or more, its other calls exact); a
+    class seen once, or whose calls change their child's value as a rule (a residual wrapper), needs the
+    reference's to (:func:`_handed_on_by`).
     """
     paired = {candidate.call(pair.candidate).index for pair in alignment.pairs if _whole(pair)}
     skipped = paired | {candidate.call(key).index for key in alignment.folded_candidate}
@@ -119,11 +136,11 @@ def _changed_wrappers(candidate: Trace, alignment: Alignment) -> list[tuple[Call
         if returned is None or handed is None or returned.shape != handed.shape or not returned.is_floating_point():
             continue
         by_class.setdefault(call.cls, []).append((call, child.index, _relative(returned, handed)))
-    found = []
+    found: list[tuple[CallRecord, int, float, bool]] = []
     for calls in by_class.values():
         changed = [entry for entry in calls if entry[2] > 0]
-        if len(calls) >= 2 and len(changed) < len(calls):  # the others hand the value on exactly
-            found.extend(changed)
+        alike = len(calls) >= 2 and len(changed) < len(calls)  # the others hand the value on exactly
+        found.extend((*entry, alike) for entry in changed)
     return found
 
 

@@ -174,7 +174,8 @@ def _heatmap(
     cell_w, cell_h, top = 90, 16, 60
     left = max(150, 10 + 7 * max((len(label) for label in labels), default=0))  # room for the longest label
     bar_h = max(cell_h * len(labels), 120)
-    width, height = left + cell_w * len(columns) + 90, top + bar_h + 20
+    width, height = left + cell_w * len(columns) + (150 if unit else 90), top + bar_h + 20
+    width = max(width, round(20 + 7.5 * len(title)))  # the title whole (14 px text)
     parts = [_svg_open(width, height), _text(width / 2, 22, title, size=14, anchor="middle")]
     for column, name in enumerate(columns):
         parts.append(_text(left + cell_w * (column + 0.5), top - 8, name, anchor="middle"))
