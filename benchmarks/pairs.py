@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
-from tests.pairs import KINDS, PAIRS, SEED, planted, transformer_lens_available
+from tests.pairs import KINDS, PAIRS, SEED, planted, unavailable
 
 
 def main() -> int:
@@ -38,13 +38,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--seeds", type=int, default=0, help="also run each clean pair with N other weight seeds")
     args = parser.parse_args()
-    missing = transformer_lens_available()
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-pairs-"))
     results, misses = [], []
     try:
         for name in args.pairs:
-            if missing and name != "llava":
-                print(f"skip {name}: {missing}")
+            if unavailable(name):
+                print(f"skip {name}: {unavailable(name)}")
                 continue
             for dtype_name in args.dtypes:
                 row, row_misses = run_pair(name, getattr(torch, dtype_name), args, scratch)
@@ -59,7 +58,7 @@ def main() -> int:
                 )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    alarms = [alarm for name in args.pairs if not (missing and name != "llava") for alarm in clean_seeds(name, args)]
+    alarms = [alarm for name in args.pairs if not unavailable(name) for alarm in clean_seeds(name, args)]
     for miss in misses:
         print("miss:", miss)
     total = sum(r["planted"] for r in results)
