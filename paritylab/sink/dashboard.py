@@ -81,6 +81,8 @@ def report_metrics(report: Report) -> list[Metric]:
             _add(metrics, f"layer/{row.path}/layer_rel_l2", row.local.get("layer_rel_l2"), 0)
             _add(metrics, f"layer/{row.path}/limit", relative_limit(row), 0)
     for tower, rows in layer_rows(report).items():
+        if len(rows) < 2:
+            continue  # one point draws as a bar on an arbitrary axis: its layer/<path>/* keys say it all
         for number, row in rows:
             _add(metrics, f"depth/{tower}/log10_rel_l2", log10_for_charts(row.rel_l2), number)
             _add(metrics, f"depth/{tower}/log10_own_rel_l2", log10_for_charts(own_error(row)), number)
