@@ -65,4 +65,4 @@ def test_the_own_error_chart_shows_the_layer_that_holds_the_bug(tmp_path):
     svg = (write_plots(result.report, tmp_path / "plots")[1]).read_text()
     own_cells = _fills(svg)[3::4]  # the own-error column, one cell per layer
     (r0, g0, _), (r1, g1, _) = (tuple(int(cell[i : i + 2], 16) for i in (1, 3, 5)) for cell in own_cells[:2])
-    assert g0 > r0 and r1 > 3 * g1  # layer 0 calm (green), layer 1 alarming (red: ~800x its tolerance)
+    assert g0 > r0 and r1 > g1 + 50  # layer 0 calm (green), layer 1 alarming (orange: twice what it may show)

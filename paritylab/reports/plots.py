@@ -228,10 +228,14 @@ def _heatmap_data(towers: dict[str, list[tuple[int, Row]]]) -> tuple[list[str], 
 
 
 def relative_limit(row: Row, noise_multiple: float = 4.0) -> float:
-    """The relative L2 error a row may show before it counts as diverging: its ``rtol`` (float32's when it has
-    none), or ``noise_multiple`` times its noise floor where that is wider."""
-    rtol = row.tolerance.rtol if row.tolerance is not None and row.tolerance.rtol > 0 else 1.3e-6
-    return max(rtol, noise_multiple * row.floor) if row.floor else rtol
+    """The relative L2 error a row may show and still pass: its tolerance's L2 bound (``atol * sqrt(n) + rtol *
+    |reference|``, the ``norm_bound`` metric) over the reference's norm, else its ``rtol`` (float32's when it
+    has none); ``noise_multiple`` times its noise floor where that is wider."""
+    limit = row.tolerance.rtol if row.tolerance is not None and row.tolerance.rtol > 0 else 1.3e-6
+    bound, error, relative = (row.metrics.get(key) for key in ("norm_bound", "err_l2", "rel_l2"))
+    if bound and error and relative and error > 0 and relative > 0:
+        limit = bound / (error / relative)  # the reference's norm is err_l2 / rel_l2
+    return max(limit, noise_multiple * row.floor) if row.floor else limit
 
 
 def layer_label(path: str) -> str:
