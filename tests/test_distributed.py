@@ -479,3 +479,29 @@ def test_the_exit_codes_are_the_command_line_s() -> None:
     from paritylab.run.parity import EXIT_CODES as RUN_EXIT_CODES
 
     assert EXIT_CODES == RUN_EXIT_CODES
+
+
+def test_an_fsdp2_sharded_llama_passes_and_a_rank_local_or_wrong_shard_bug_is_named(tmp_path: Path) -> None:
+    """transformers' Llama under FSDP2 ``fully_shard`` (every parameter a ``Shard(0)`` DTensor, gathered for the
+    forward) on 2 gloo ranks fed the same inputs: every activation is replicated, so the clean run passes; a
+    rank-local scale is named at its module and rank 1; rank 1 loading rank 0's rows of ``gate_proj`` is named
+    at ``gate_proj``."""
+    from tests.tiny import token_ids
+
+    reference = _llama()
+    variants = {
+        "clean": {},
+        "rank1": {"defect": "rank1_scaled", "layer": 1},
+        "shard": {"defect": "wrong_shard", "layer": 0},
+    }
+    results = check_variants(
+        reference, "experiments.fsdp_llama:build", tmp_path, variants, world_size=2,
+        inputs={"input_ids": token_ids(batch=2)}, call_kwargs={"use_cache": False},
+        options={"config": reference.config.to_dict()}, timeout_s=240,
+    )  # fmt: skip
+    assert results["clean"].verdict == "pass", results["clean"].summary()
+    rank1 = results["rank1"]
+    assert rank1.verdict == "fail" and rank1.report.first_divergence.path == "model.layers.1.mlp.down_proj"
+    assert rank1.finding is not None and rank1.finding.ranks == [1]
+    shard = results["shard"]
+    assert shard.verdict == "fail" and shard.report.first_divergence.path == "model.layers.0.mlp.gate_proj"
