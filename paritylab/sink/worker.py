@@ -195,6 +195,9 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
 
 
 def main() -> None:
+    # The run interrupts this child with SIGINT (it has a session of its own, so no terminal does). A run started
+    # from a background shell or nohup inherits SIGINT ignored, and so would this child: hear it whatever came down.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The replies' pipe is this process's standard output; anything MLflow or a library prints goes to
     # standard error instead, so it can never be taken for a reply.
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
