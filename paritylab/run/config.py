@@ -244,7 +244,11 @@ class ParityConfig:
     resident: Resident = Resident.auto
     """``one``: each traced model's weights move to a memory-mapped file before the next model is built, so
     the run needs memory for the larger model rather than both; ``both`` keeps them in memory; ``auto``:
-    ``one`` when the reference takes over a quarter of the available memory."""
+    ``both`` when the memory plan says they fit together, else ``one`` (without a plan: ``one`` when the
+    reference takes over a quarter of the available memory)."""
+    memory_check: bool = True
+    """Plan the run's memory before building anything (:mod:`paritylab.run.budget`): ``resident=auto`` then
+    chooses from the plan, and a run that cannot fit is refused in one line; ``false`` skips the plan."""
     output_dir: str | None = None
     """Where traces and reports go; default: Hydra's run directory."""
 

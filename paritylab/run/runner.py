@@ -30,6 +30,14 @@ from paritylab.distributed import DistributedError
 from paritylab.reports.plots import write_plots
 from paritylab.reports.render import headline, rows_table, to_console, to_html, to_json, to_markdown
 from paritylab.run import distributed_phase
+from paritylab.run.budget import (
+    MemoryPlan,
+    Sizes,
+    disk_free,
+    measure_reference,
+    meta_forward,
+    plan,
+)
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.identity import run_name, run_tags
@@ -122,6 +130,7 @@ class _Session:
         self.notes: list[str] = []
         self.started = time.perf_counter()
         self.regression: Regression | None = None
+        self.memory: MemoryPlan | None = None
         self.sweep = sweep_state()
         self._disk_full: str | None = None
         """The one line said when the disk filled up (later writes that fail for the same reason stay quiet)."""
@@ -225,6 +234,7 @@ class _Session:
             "tracking_error": self.tracking_error,
             "notes": self.notes,
             "seconds": {phase: round(value, 3) for phase, value in self.timings.items()},
+            "memory": {"plan": self.memory.summary() if self.memory else None, "peak": peak_memory(self.device)},
         }
         write_json(self.directory / "run.json", summary, indent=1)
 
@@ -232,8 +242,10 @@ class _Session:
 
     def _phases(self) -> ParityResult:
         cfg = self.cfg
-        torch.manual_seed(int(cfg.seed))
         self.echo(f"paritylab: {cfg.model.name} vs {cfg.candidate.name} on {self.device} -> {self.directory}")
+        self.memory = self._plan_memory()
+        self._mark("memory plan")
+        torch.manual_seed(int(cfg.seed))
         reference = self._build_reference()
         inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
@@ -426,8 +438,49 @@ class _Session:
             self.notes.append(f"{side}: {len(untraced)} selected modules were never called")
         return trace
 
+    def _plan_memory(self) -> MemoryPlan | None:
+        """What the run will need, found before building (:mod:`paritylab.run.budget`); refuses in one line what
+        cannot fit. ``None`` (nothing refused) when the reference cannot be sized before it is built."""
+        cfg = self.cfg
+        if not cfg.memory_check:
+            return None
+        dtype = getattr(torch, str(cfg.dtype))
+        pretrained = cfg.model.build.get("pretrained")
+        meta, sizes = measure_reference(
+            lambda: instantiate("model.build", cfg.model.build), str(pretrained) if pretrained else None, dtype
+        )
+        if sizes is None:
+            self.notes.append("memory plan: the reference could not be sized before building it (not checked)")
+            return None
+        candidate = self._candidate_bytes(sizes)
+        forward = None
+        if meta is not None:
+            with suppress(Exception):  # inputs that cannot be made for a meta model: the forward is unmeasured
+                inputs = build_inputs(cfg.inputs, cfg.model.family, meta, None)
+                inputs = {key: value.to("meta") for key, value in inputs.items()}
+                forward = meta_forward(meta, self._spec("model", meta, inputs).bind(inputs))
+        memory = plan(
+            sizes.total, candidate, forward, self.device, available_memory(self.device), str(cfg.resident),
+            disk_free(self.directory),
+        )  # fmt: skip
+        self.echo(f"paritylab: {memory.describe()}")
+        self.notes.append(memory.describe())
+        return memory
+
+    def _candidate_bytes(self, reference: Sizes) -> int:
+        """The candidate's size before it is built: the reference's, cast as configured (a port holds the same
+        weights, fused or split; its builder is not run twice to find out); none here for a candidate run on
+        ranks, whose weights live in their own processes."""
+        cfg = self.cfg.candidate
+        if distributed_phase.is_distributed(cfg):
+            return 0
+        dtype = cfg.get("dtype")
+        return (reference.cast(getattr(torch, str(dtype))) if dtype else reference).total
+
     def _one_resident(self, reference: nn.Module) -> bool:
         mode = str(self.cfg.resident)
+        if self.memory is not None:
+            return self.memory.resident == "one"
         if mode != "auto":
             return mode == "one"
         available = available_memory(self.device)
@@ -696,6 +749,19 @@ def start_up_phases() -> dict[str, float]:
     if not paritylab.FROM_COMMAND_LINE:
         return {}
     return {"imports": time.perf_counter() - paritylab.IMPORTED_AT}
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """The run's peak bytes where its models lived: the CUDA allocator's peak on a GPU, else the process's
+    peak resident set (Linux reports kilobytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return None
 
 
 def _write_csv(path: Path, table: dict[str, list[Any]]) -> None:
