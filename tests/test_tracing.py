@@ -358,12 +358,17 @@ def test_device_stats_path_agrees_with_the_cpu_path():
     torch.manual_seed(0)
     finite = torch.randn(3, 1000) * 5 + 2
     batch = StatsBatch()
-    batch._rows.extend([device_stats(finite), device_stats(torch.tensor([1.0, float("nan"), float("inf")]))])
+    tensors = [finite, torch.tensor([1.0, float("nan"), float("inf")]), finite.bfloat16(), finite.double()]
+    for tensor in tensors:  # what add() does with a tensor on an accelerator
+        batch._counts[len(batch._rows)] = tensor.numel()
+        batch._rows.append(device_stats(tensor))
     resolved = batch.resolve()
     expected = stats_dict(cpu_stats(finite))
     assert resolved[0] == pytest.approx(expected, rel=1e-6)
     assert resolved[1]["nan"] == 1 and resolved[1]["inf"] == 1  # counted on the device; NaN propagates
-    assert resolved[1]["mean"] is None
+    assert resolved[1]["mean"] is None and resolved[1]["absmax"] is None
+    assert resolved[2] == pytest.approx(stats_dict(cpu_stats(finite.bfloat16())), rel=1e-6)
+    assert resolved[3] == pytest.approx(expected, rel=1e-6)
 
 
 class _Chain(nn.Module):

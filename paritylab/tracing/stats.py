@@ -64,15 +64,17 @@ def cpu_stats(tensor: torch.Tensor) -> list[float]:
 
 
 def device_stats(tensor: torch.Tensor) -> torch.Tensor:
-    """Stats row of a tensor on an accelerator, as a float64 vector on that device (no sync)."""
+    """The raw sums of a tensor on an accelerator, ``[sum, sum of squares, min, max, nan count, inf count]``, as
+    one vector on that device (no sync): eight kernel launches, the least that gives every statistic. The
+    statistics are derived from them on the host, once per forward (:meth:`StatsBatch.resolve`): a forward's
+    hundreds of tensors would otherwise pay two dozen launches each, which on a GPU costs more than the forward."""
     flat = _flat(tensor)
-    count = flat.numel()
-    sums = torch.stack([flat.sum(), torch.dot(flat, flat), *torch.aminmax(flat)]).double()
-    mean = sums[0] / count
-    std = torch.sqrt(torch.clamp(sums[1] / count - mean * mean, min=0))
-    absmax = torch.maximum(sums[2].abs(), sums[3].abs())
-    counts = torch.stack([torch.isnan(flat).sum(), torch.isinf(flat).sum()]).double()
-    return torch.cat([torch.stack([mean, std, sums[2], sums[3], absmax, torch.sqrt(sums[1])]), counts])
+    if flat.numel() >= _EXACT_COUNT and flat.dtype != torch.float64:
+        flat = flat.double()  # counts stay exact past float32's 2**24
+    low, high = torch.aminmax(flat)
+    nan = torch.isnan(flat).sum(dtype=flat.dtype)
+    inf = torch.isinf(flat).sum(dtype=flat.dtype)
+    return torch.stack([flat.sum(), torch.dot(flat, flat), low, high, nan, inf])
 
 
 def _derive(total: float, squares: float, low: float, high: float, count: int) -> list[float]:
@@ -81,31 +83,52 @@ def _derive(total: float, squares: float, low: float, high: float, count: int) -
     return [mean, std, low, high, max(abs(low), abs(high)), math.sqrt(squares)]
 
 
+_EXACT_COUNT = 2**24
+"""From this many elements a float32 count of NaN or Inf could round: such tensors are summed in float64."""
+
+
+def device_row(raw: list[float], count: int) -> list[float]:
+    """The stats row of a tensor of ``count`` elements from :func:`device_stats`' raw sums. NaN and Inf
+    propagate into the statistics, as they would on the device."""
+    total, squares, low, high, nan, inf = raw
+    mean = total / count
+    variance = squares / count - mean * mean
+    std = math.sqrt(max(variance, 0.0)) if not math.isnan(variance) else math.nan
+    absmax = math.nan if math.isnan(low) or math.isnan(high) else max(abs(low), abs(high))
+    return [mean, std, low, high, absmax, math.sqrt(squares) if squares >= 0 else math.nan, nan, inf]
+
+
 class StatsBatch:
     """Stats of the tensors seen during a forward; accelerator rows are fetched together at the end."""
 
     def __init__(self) -> None:
         self._rows: list[list[float] | torch.Tensor] = []
+        self._counts: dict[int, int] = {}
+        """Element counts of the accelerator rows, by index (their statistics are derived at :meth:`resolve`)."""
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def add(self, tensor: torch.Tensor) -> int:
         """Summarise ``tensor``; returns the index of its row in :meth:`resolve`."""
-        self._rows.append(cpu_stats(tensor) if tensor.device.type == "cpu" else device_stats(tensor))
+        if tensor.device.type == "cpu":
+            self._rows.append(cpu_stats(tensor))
+        else:
+            self._counts[len(self._rows)] = tensor.numel()
+            self._rows.append(device_stats(tensor))
         return len(self._rows) - 1
 
     def resolve(self) -> list[dict[str, float | None]]:
         """All rows as dicts in the order added: one transfer per accelerator device."""
-        by_device: dict[torch.device, list[int]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, row in enumerate(self._rows):
             if isinstance(row, torch.Tensor):
-                by_device.setdefault(row.device, []).append(index)
-        for indices in by_device.values():
-            fetched = torch.stack([self._rows[i] for i in indices]).cpu().tolist()  # type: ignore[misc]
+                groups.setdefault((row.device, row.dtype), []).append(index)
+        for indices in groups.values():
+            fetched = torch.stack([self._rows[i] for i in indices]).double().cpu().tolist()  # type: ignore[misc]
             for i, values in zip(indices, fetched, strict=True):
-                self._rows[i] = values
-        rows, self._rows = self._rows, []
+                self._rows[i] = device_row(values, self._counts[i])
+        rows, self._rows, self._counts = self._rows, [], {}
         return [stats_dict(row) for row in rows]  # type: ignore[arg-type]
 
 
