@@ -60,12 +60,13 @@ def sources(name: str, mapping: Mapping[str, str | list[str] | None]) -> list[st
     return None
 
 
-def mapped_state_dict(
+def mapped_sources(
     candidate: nn.Module, reference: Mapping[str, torch.Tensor], mapping: Mapping[str, str | list[str] | None]
-) -> dict[str, torch.Tensor]:
-    """The candidate's state dict built from the reference's. Raises on any name the map does not cover,
-    any reference name that does not exist, and any shape that does not fit (listing them all)."""
-    built: dict[str, torch.Tensor] = {}
+) -> dict[str, list[str]]:
+    """Per candidate state entry, the reference names it is built from (concatenated along the first dimension
+    when several; deliberately unmapped entries left out). Raises on any name the map does not cover, any
+    reference name that does not exist, and any shape that does not fit (listing them all)."""
+    built: dict[str, list[str]] = {}
     problems: list[str] = []
     for name, current in candidate.state_dict().items():
         names = sources(name, mapping)
@@ -78,21 +79,42 @@ def mapped_state_dict(
         if missing:
             problems.append(f"{name}: reference has no {', '.join(missing)}")
             continue
-        value = torch.cat([reference[n] for n in names], dim=0) if len(names) > 1 else reference[names[0]]
-        if value.shape != current.shape:
-            problems.append(f"{name}: shape {tuple(value.shape)} from the reference, {tuple(current.shape)} expected")
+        shape = _concatenated_shape([tuple(reference[n].shape) for n in names])
+        if shape != tuple(current.shape):
+            shown = "parts that cannot be concatenated" if shape is None else f"shape {shape}"
+            problems.append(f"{name}: {shown} from the reference, {tuple(current.shape)} expected")
             continue
-        built[name] = value.to(dtype=current.dtype, device=current.device)
+        built[name] = names
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise WeightMapError(f"weight map does not fit: {shown}")
     return built
 
 
+def _concatenated_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    if len(shapes) == 1:
+        return shapes[0]
+    if any(not shape or shape[1:] != shapes[0][1:] for shape in shapes):
+        return None
+    return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+
 def load_mapped(candidate: nn.Module, reference: nn.Module, mapping: Mapping[str, str | list[str] | None]) -> None:
-    """Copy the reference's weights into ``candidate`` through ``mapping`` (strict: see :func:`mapped_state_dict`)."""
-    built = mapped_state_dict(candidate, reference.state_dict(), mapping)
-    candidate.load_state_dict(built, strict=False)
+    """Copy the reference's weights into ``candidate`` through ``mapping`` (strict: see :func:`mapped_sources`),
+    in place and one tensor at a time: a fused weight's parts are copied into its rows, so no concatenation of
+    the model's weights is ever alive beside the two models (at 7 B, 18 GB of fused copies)."""
+    state = reference.state_dict()
+    targets = candidate.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, names in mapped_sources(candidate, state, mapping).items():
+            target = targets[name]
+            if len(names) == 1:
+                target.copy_(state[names[0]])
+                continue
+            row = 0
+            for part in (state[n] for n in names):
+                target[row : row + part.shape[0]].copy_(part)
+                row += part.shape[0]
 
 
 @dataclass
