@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="default: the run's configuration (eager)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--no-libraries", action="store_true", help="skip other capture libraries (TorchLens)")
+    parser.add_argument("--skip-logging", action="store_true", help="skip MLflow's logging time (no mlflow there)")
     parser.add_argument(
         "--whole-run-rounds", type=int, default=3, help="rounds of benchmarks/whole_run.py in this run (0: skip)"
     )
@@ -396,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["compare_cli"] = compare_cli(scratch, results["comparison"]["seconds"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    results["logging"] = logging_time(report)
+    if not args.skip_logging:
+        results["logging"] = logging_time(report)
     if not args.skip_memory:
         results["resident_peak_anon_mb"] = resident_peaks(args.device, args.quick, args.attention)
     if args.whole_run_rounds > 0 and args.device == "cpu":
@@ -450,7 +452,9 @@ def render(results: dict[str, Any]) -> str:
         f"  paritylab-compare CLI: {cli['cli_s']:.2f} s = {cli['ratio']:.2f}x "
         f"(import torch {cli['import_torch_s']:.2f} s + in-process comparison; target <= 1.5x)"
     )
-    lines.append(f"  logging {results['logging']['metrics']} metrics to SQLite: {results['logging']['seconds']:.2f} s")
+    if "logging" in results:
+        logged = results["logging"]
+        lines.append(f"  logging {logged['metrics']} metrics to SQLite: {logged['seconds']:.2f} s")
     if "resident_peak_anon_mb" in results:
         peak = results["resident_peak_anon_mb"]
         lines.append(
