@@ -239,3 +239,48 @@ def test_constants_are_compared_only_between_operations_that_match_step_for_step
     assert "constants" not in split and "the reference computes mul(tensor[2, 4], 0.25)" in split
     single = _describe(recording, recording.values[0], [mul(0, 0.3)], [mul(0, 0.25)], 1e-2)
     assert "(constants: 0.3 vs the reference's 0.25)" in single
+
+
+class SeparateMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(DIM, 64), nn.Linear(DIM, 64), nn.Linear(64, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedMlp(nn.Module):
+    """gate and up as one projection (``w13``, 128 rows), as ports write it; ``scale`` plants a bug in its output."""
+
+    def __init__(self, reference: SeparateMlp, scale: float = 1.0) -> None:
+        super().__init__()
+        self.w13, self.w2 = nn.Linear(DIM, 128), nn.Linear(64, DIM)
+        with torch.no_grad():
+            self.w13.weight.copy_(torch.cat([reference.gate_proj.weight, reference.up_proj.weight]))
+            self.w13.bias.copy_(torch.cat([reference.gate_proj.bias, reference.up_proj.bias]))
+            self.w2.load_state_dict(reference.down_proj.state_dict())
+        if scale != 1.0:
+            self.w13.register_forward_hook(lambda _, __, output: output * scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.01])
+def test_a_fused_projection_drilled_at_one_of_its_parts_is_read_as_its_parts(scale):
+    """Drilled at the reference's ``gate_proj`` (paired with the port's ``w13``), the fused weight's up rows are
+    the sibling ``up_proj``'s and its output's first half is gate's: neither is called a mismatch; a bug after the
+    projection is named as the operation it is."""
+    torch.manual_seed(0)
+    reference = SeparateMlp()
+    candidate, x = FusedMlp(reference, scale), torch.randn(2, 6, DIM)
+    run = lambda model: model(x)  # noqa: E731
+    forcing = lambda _: nullcontext()  # noqa: E731
+    found = drill_into(reference, run, "gate_proj#0", candidate, run, "w13#0", forcing, torch.float32)
+    assert "matches no reference value" not in found.message
+    if scale == 1.0:
+        assert found.value is None, found.message
+    else:
+        assert found.operation == "mul" and found.operations[0].scalars == ["1.01"], found.message

@@ -22,7 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -167,12 +167,19 @@ def record_call(model: nn.Module, path: str, call_index: int, run: Callable[[nn.
 
 
 def drill_down(
-    reference: Recording, candidate: Recording, dtype: torch.dtype | str, own_error: float | None = None
+    reference: Recording,
+    candidate: Recording,
+    dtype: torch.dtype | str,
+    own_error: float | None = None,
+    siblings: Mapping[str, torch.Tensor] | None = None,
 ) -> Drilldown:
     """Compare two recordings of one module call and name where the candidate leaves the reference.
 
     ``own_error`` (the module's own relative error, from isolated replay) sets the tolerance under which two
-    values are one: an eighth of it, within the dtype's bounds (:data:`_TOLERANCE`).
+    values are one: an eighth of it, within the dtype's bounds (:data:`_TOLERANCE`). ``siblings``: the reference
+    parameters and buffers beside the recorded module (its parent's, by full name), where the rest of a fused
+    weight's rows are found (a port's gate/up ``w13`` against the reference's ``gate_proj``: the up rows are in
+    ``up_proj``). They only complete a fused weight: a candidate value never matches one of them whole.
     """
     low, high = _TOLERANCE.get(str(dtype).removeprefix("torch."), _TOLERANCE["float32"])
     tolerance = min(high, max(low, (own_error or high) / 8))
@@ -180,7 +187,8 @@ def drill_down(
     notes += [f"{side.key} was never called" for side in (reference, candidate) if not side.called]
     layout_free = tolerance <= _TOLERANCE["float32"][1]
     equals = _match(reference, candidate, tolerance, layout_free)
-    _stacked(reference, candidate, tolerance)
+    _stacked(_with_siblings(reference, siblings or {}), candidate, tolerance)
+    _sliced(reference, candidate, tolerance)
     value = _frontier(candidate)
     if value is None:
         message = (
@@ -536,6 +544,51 @@ def _match(reference: Recording, candidate: Recording, tolerance: float, layout_
     return equals
 
 
+def _sliced(reference: Recording, candidate: Recording, tolerance: float) -> None:
+    """Set :attr:`Value.parts` of each candidate operation result that matches no reference value whole but holds
+    one as a slice along one axis: a fused projection's output (gate and up side by side, or q, k and v) against the
+    reference's separate one. Slices are tried where a part of that width starts in a concatenation: at multiples
+    of its width, and at the end."""
+    pool: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for value, tensor in zip(reference.values, reference.tensors, strict=True):
+        if tensor is not None and tensor.numel() >= _SLICE_MIN and tensor.is_floating_point():
+            pool.setdefault(tensor.dim(), []).append((value.index, tensor))
+    for value, tensor in zip(candidate.values, candidate.tensors, strict=True):
+        if value.op is None or value.match is not None or value.parts or tensor is None:
+            continue
+        for index, theirs in pool.get(tensor.dim(), []):
+            axes = [axis for axis in range(tensor.dim()) if tensor.shape[axis] != theirs.shape[axis]]
+            if len(axes) != 1 or theirs.shape[axes[0]] < 2 or theirs.shape[axes[0]] > tensor.shape[axes[0]]:
+                continue
+            axis, width, size = axes[0], theirs.shape[axes[0]], tensor.shape[axes[0]]
+            for start in dict.fromkeys([*range(0, size - width + 1, width), size - width]):
+                found = _distance(tensor.narrow(axis, start, width), theirs)
+                if found <= tolerance:
+                    value.parts, value.distance = [index], found
+                    break
+            if value.parts:
+                break
+
+
+_SLICE_MIN = 16
+"""Reference results smaller than this are not looked for as slices (a column of a wide result could equal one
+by chance)."""
+
+
+def _with_siblings(reference: Recording, siblings: Mapping[str, torch.Tensor]) -> Recording:
+    """``reference`` with ``siblings`` appended as values from outside the call (``parameter <full name>``),
+    those the recording already holds left out."""
+    held = {id(tensor) for tensor in reference.tensors if tensor is not None}
+    extra = [(name, tensor.detach()) for name, tensor in siblings.items() if id(tensor) not in held]
+    if not extra:
+        return reference
+    values = list(reference.values)
+    for name, tensor in extra:
+        values.append(Value(len(values), f"parameter {name}", list(tensor.shape), str(tensor.dtype)))
+    tensors = [*reference.tensors, *(tensor for _, tensor in extra)]
+    return replace(reference, values=values, tensors=tensors)
+
+
 def _stacked(reference: Recording, candidate: Recording, tolerance: float) -> None:
     """Set :attr:`Value.parts` of each candidate parameter or buffer that matches no reference value whole but
     whose rows (or columns) are rows of reference parameters and buffers: a fused projection's weight and bias
@@ -824,6 +877,30 @@ def _describe(
     return text
 
 
+def sibling_tensors(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """The floating-point parameters and buffers of the module holding ``path`` (by full name), except those of
+    ``path`` itself; none when they are many times the module's own (a top-level module's parent is the whole
+    model: hashing every row of a 7 B model is not what a fused projection needs)."""
+    parent, _, own = path.rpartition(".")
+    try:
+        holder = model.get_submodule(parent)
+    except AttributeError:
+        return {}
+    named = [(name, tensor) for name, tensor in (*holder.named_parameters(), *holder.named_buffers())]
+    mine = sum(t.numel() * t.element_size() for name, t in named if name.startswith(f"{own}."))
+    beside = {
+        f"{parent}.{name}" if parent else name: tensor
+        for name, tensor in named
+        if not name.startswith(f"{own}.") and tensor is not None and tensor.is_floating_point()
+    }
+    size = sum(t.numel() * t.element_size() for t in beside.values())
+    return beside if size <= max(_SIBLING_SHARE * mine, _SIBLING_FLOOR) else {}
+
+
+_SIBLING_SHARE, _SIBLING_FLOOR = 16, 64 * 2**20
+"""The siblings a drill-down reads: at most 16 times the drilled module's own bytes, or 64 MiB."""
+
+
 def split_key(key: str) -> tuple[str, int]:
     """``model.layers.0.mlp#2`` -> (``model.layers.0.mlp``, 2)."""
     path, _, number = key.rpartition("#")
@@ -857,7 +934,8 @@ def drill_into(
     reference_recording = record_call(reference, *split_key(reference_key), reference_run)
     with forcing(candidate):
         candidate_recording = record_call(candidate, *split_key(candidate_key), candidate_run)
-    result = drill_down(reference_recording, candidate_recording, dtype, own_error)
+    siblings = sibling_tensors(reference, split_key(reference_key)[0])
+    result = drill_down(reference_recording, candidate_recording, dtype, own_error, siblings)
     result.notes[:0] = notes
     if compiled and result.value is None and candidate_recording.called:
         result.message = (
