@@ -286,6 +286,7 @@ def attach_replay(
     local_floor: Mapping[str, Mapping[str, float]] | None = None,
     floor_replay: Trace | None = None,
     lifted: LiftedReplay | None = None,
+    floor_loosens_only: bool = False,
 ) -> Report:
     """The free-run ``report`` judged again with the replay: a new report (``report`` is left as it is) whose
     rows' ``local`` hold the replay's error, the inherited (input) error and the amplification, with one
@@ -299,7 +300,8 @@ def attach_replay(
     systematic part (:func:`~paritylab.comparison.metrics.systematic_z`), which finds gains and offsets far
     below the rounding of single values. ``lifted`` (a low-precision candidate): both sides replayed in
     float32 with the same weights (:mod:`paritylab.comparison.lifted`); a module whose own code differs there
-    fails as well.
+    fails as well. ``floor_loosens_only`` (float32's floors against float64): a module's own error diverges only
+    when it is beyond both its tolerance and its floor.
     """
     lifted_rows = lifted.judged(tolerances) if lifted is not None else {}
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
@@ -324,6 +326,8 @@ def attach_replay(
             systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
+        if floor_loosens_only:
+            diverged = local.diverged and (floor is None or reason is not None)
         if (
             not diverged
             and exact is not None
@@ -374,7 +378,7 @@ def attach_replay(
             row.verdict = "fail"
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = innermost(own_errors, report.rows)
-    _name_culprit(report, low_precision=local_floor is not None)
+    _name_culprit(report, low_precision=local_floor is not None and not floor_loosens_only)
     named = report.first_divergence
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"

@@ -12,6 +12,7 @@ same functions, so the numbers a script gets are the numbers a configured run ge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.lifting import cast_call, lift
 from paritylab.run.resident import converted_copy
 from paritylab.run.whole_graph import check_whole_graph, not_checked
+from paritylab.run.widening import widened_in_place
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
 from paritylab.tracing.values import iter_tensors
@@ -54,6 +56,9 @@ class Floors:
     local_trace: Trace | None = None
     """That replay itself: each module's low-precision output, against which a candidate's replayed output
     is tested for a systematic part (None when the candidate is the reference cast: it is the same run)."""
+    loosens_only: bool = False
+    """float32's floors against float64 (:func:`estimate_float32_floors`): a module passes when within its floor
+    or its tolerance, and fails only when beyond both (a low-precision floor replaces the tolerance)."""
     from_candidate: bool = False
     """The low-precision side is the candidate's own trace (the candidate is the reference cast to ``dtype``):
     local floors, when a replay runs, are read from the candidate's isolated replay (:func:`judge_with_replay`;
@@ -106,6 +111,34 @@ def estimate_floors(
         low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
     )
     return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment), replayed)
+
+
+def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: Trace, directory: Path) -> Floors:
+    """float32's own noise floors: the float32 reference against itself computed in float64, the whole forward
+    (free run) and each module fed the reference's own inputs (local), without a float64 copy of the model (each
+    module is widened while it runs: :func:`paritylab.run.widening.widened_in_place`). Two float32 programs that
+    compute the same function in another order (a fused projection, another GPU kernel) differ by about this
+    much; a float32 run is judged against these floors only where it fails its tolerance, and they only ever
+    loosen its judgement (``Floors.loosens_only``). Raises what the widened forward raises."""
+    uncalled = reference_trace.meta.get("modules_not_called") or []
+    wide = cast_call(call, torch.float64)
+    with widened_in_place(reference, torch.float64, uncalled):
+        exact = trace_model(reference, wide, directory / "noise-exact64", capture=None)
+        if [c.key for c in exact.calls] != [c.key for c in reference_trace.calls]:
+            raise RuntimeError("the float64 forward made other module calls than the float32 one")
+        alignment = align(reference_trace, reference_trace)
+        replayed = isolated_replay(
+            reference, wide, reference_trace, reference_trace, alignment, directory / "noise-local64"
+        )
+    local = local_floors(reference_trace, replayed, alignment)
+    return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
+
+
+def needs_float32_floors(reference: nn.Module, candidate: nn.Module, free_run: Report, noise_floor: str) -> bool:
+    """Whether a free run is judged again against float32's own floors: both sides float32, and it fails."""
+    if noise_floor == "off" or free_run.passed or free_run.errors or low_precision(reference, candidate) is not None:
+        return False
+    return {p.dtype for p in reference.parameters() if p.is_floating_point()} == {torch.float32}
 
 
 EXACT_DTYPE = torch.float32
@@ -251,7 +284,8 @@ def judge_with_replay(
     if floors is not None and floors.from_candidate:
         floors = replace(floors, local_metrics=local_floors(reference_trace, replayed, report.alignment))
     local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
-    judged = attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted)
+    loosens = floors is not None and floors.loosens_only
+    judged = attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted, loosens)
     if not judged.passed:
         add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
     return judged, floors
@@ -339,6 +373,13 @@ def check(
         reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
         noise_multiple=noise_multiple,
     )  # fmt: skip
+    if floors is None and needs_float32_floors(reference, candidate, free_run, noise_floor):
+        with suppress(Exception):  # the forward in float64 failed: the tolerance judges alone
+            floors = estimate_float32_floors(reference, reference_call, reference_trace, directory)
+            free_run = compare(
+                reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
+                noise_multiple=noise_multiple,
+            )  # fmt: skip
     report = free_run
     if replay and not free_run.errors and free_run.alignment.pairs:
         lifted = lift(

@@ -67,7 +67,7 @@ def offload(model: nn.Module, directory: str | os.PathLike[str]) -> int:
         if isinstance(tensor, nn.Parameter):
             replacement = nn.Parameter(mapped, requires_grad=tensor.requires_grad)
         for slot in places:
-            _assign(slot, replacement)
+            assign_slot(slot, replacement)
         moved += tensor.numel() * tensor.element_size()
     return moved
 
@@ -93,7 +93,7 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t, _ in tensor_slots(model).values())
 
 
-def _assign(slot: Slot, tensor: torch.Tensor) -> None:
+def assign_slot(slot: Slot, tensor: torch.Tensor) -> None:
     if slot.kind == "parameter":
         slot.module._parameters[slot.name] = tensor  # type: ignore[assignment]
     elif slot.kind == "buffer":

@@ -1,0 +1,171 @@
+"""float32's own noise floor: a float32 pair that fails its tolerance is judged again against the reference computed
+in float64, module by module widened while it runs (no float64 copy of the model). A candidate that computes the
+same function in another order passes; a bug far smaller than its tolerance's failure still fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paritylab.run.parity import check
+from paritylab.run.widening import widened_in_place
+
+K = 4096
+
+
+class Long(nn.Module):
+    """A long, ill-conditioned reduction: inputs with a large common offset against weight rows summing to ~0, so
+    float32's rounding of the cancelling terms shows in the result (about 3e-5), whatever the summation order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.act, self.head = nn.Linear(K, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.proj(x)))
+
+
+class Reordered(nn.Module):
+    """The same function with the long reduction summed in another order (its axis permuted, weights to match), as
+    a fused projection or another GPU kernel sums it; ``bug`` scales what reaches the head."""
+
+    def __init__(self, reference: Long, bug: float = 1.0) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.randperm(K, generator=torch.Generator().manual_seed(1)))
+        self.proj, self.act, self.head = nn.Linear(K, 64), nn.GELU(), nn.Linear(64, 16)
+        with torch.no_grad():
+            self.proj.weight.copy_(reference.proj.weight[:, self.order])
+            self.proj.bias.copy_(reference.proj.bias)
+            self.head.load_state_dict(reference.head.state_dict())
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.proj(x[..., self.order])) * self.bug)
+
+
+def long_reference(**_: object) -> Long:
+    """(The keyword arguments of the configured model are not this model's: ignored.)"""
+    torch.manual_seed(0)
+    model = Long()
+    with torch.no_grad():
+        model.proj.weight -= model.proj.weight.mean(dim=1, keepdim=True)
+    return model.eval()
+
+
+def reordered(reference: Long) -> Reordered:
+    return Reordered(reference).eval()
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Long, torch.Tensor]:
+    return long_reference(), torch.randn(32, K, generator=torch.Generator().manual_seed(2)) + 100
+
+
+def _check(reference: nn.Module, candidate: nn.Module, x: torch.Tensor, directory: Path, **options):
+    call = lambda model: model(x)  # noqa: E731
+    return check(reference, candidate, directory, reference_call=call, candidate_call=call, **options)
+
+
+def test_another_summation_order_fails_the_tolerance_and_passes_against_float32s_own_floor(pair, tmp_path):
+    reference, x = pair
+    candidate = Reordered(reference).eval()
+    without = _check(reference, candidate, x, tmp_path / "off", noise_floor="off")
+    assert not without.report.passed and without.floors is None  # the false alarm the floor is for
+    assert without.report.rows[0].metrics["rel_l2"] > 10 * without.report.rows[0].tolerance.rtol
+    result = _check(reference, candidate, x, tmp_path / "auto")
+    assert result.report.passed, result.report.summary()
+    floors = result.floors
+    assert floors is not None and floors.dtype == torch.float32 and floors.loosens_only
+    # the reference's own float32 error against float64, per module, near the candidate's difference from it
+    assert set(floors.free_run) == {"#0", "proj#0", "act#0", "head#0"}
+    for row in result.report.rows:
+        own_floor = floors.free_run[row.reference.key]
+        assert 1e-5 < own_floor < 1e-4 and row.metrics["rel_l2"] < 4 * own_floor
+
+
+def test_a_bug_far_under_what_the_tolerance_shows_still_fails_at_its_origin(pair, tmp_path):
+    reference, x = pair
+    result = _check(reference, Reordered(reference, bug=1.001).eval(), x, tmp_path)
+    assert result.floors is not None and not result.report.passed
+    origin = result.report.first_divergence
+    assert origin is not None and origin.reference.key == "#0"  # the root's own code, between act and head
+    assert "gives head a value the reference does not" in (origin.note or "")
+    assert result.report.rows[-1].verdict == "fail" and result.report.rows[1].verdict == "pass"
+
+
+def test_a_passing_float32_pair_estimates_no_floor(pair, tmp_path):
+    reference, x = pair
+    plain = long_reference()
+    result = _check(reference, plain, x, tmp_path)
+    assert result.report.passed and result.floors is None
+    assert not (tmp_path / "noise-exact64").exists()
+
+
+def test_widening_in_place_computes_in_float64_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    before = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with widened_in_place(model, torch.float64):
+        wide = model(x)
+    exact = _float64_copy(model)(x)
+    assert wide.dtype == torch.float64 and torch.equal(wide, exact)
+    after = model.state_dict(keep_vars=True)
+    assert all(after[name] is tensor and tensor.dtype == torch.float32 for name, tensor in before.items())
+
+
+def test_a_module_that_reads_an_uncalled_childs_weights_is_widened_with_them():
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError), widened_in_place(attention, torch.float64):
+        attention(x, x, x)  # out_proj left in float32: the mixed product is refused, and nothing is left wide
+    assert attention.out_proj.weight.dtype == torch.float32 and attention.in_proj_weight.dtype == torch.float32
+    with widened_in_place(attention, torch.float64, uncalled=["out_proj"]):
+        wide, _ = attention(x, x, x)
+    exact, _ = _float64_copy(attention)(x, x, x)
+    assert torch.allclose(wide, exact, rtol=1e-12, atol=1e-14)
+    assert attention.out_proj.weight.dtype == torch.float32
+
+
+def _float64_copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).double()
+
+
+def test_the_command_line_run_passes_the_reordered_port_and_says_why(tmp_path):
+    """``python -m paritylab`` in a process of its own, the reference and candidate from the user's config."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    mine = tmp_path / "my_conf" / "candidate"
+    mine.mkdir(parents=True)
+    (mine / "reordered.yaml").write_text(
+        "name: reordered\nkind: target\nbuild:\n  _target_: " + __name__ + ".reordered\n"
+    )
+    save_file(
+        {"x": torch.randn(32, K, generator=torch.Generator().manual_seed(2)) + 100}, str(tmp_path / "x.safetensors")
+    )
+    repository = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "paritylab", "--config-dir", str(tmp_path / "my_conf"), "candidate=reordered",
+         f"model.build._target_={__name__}.long_reference", "inputs=file", f"inputs.path={tmp_path / 'x.safetensors'}",
+         "tracking=off", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repository)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "estimating float32's own noise floor (float64)" in done.stdout and "PASS" in done.stdout
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert summary["verdict"] == "pass" and "float32 noise floor" in summary["seconds"]
+    assert any(
+        note.startswith("float32 noise floor: the reference against itself in float64") for note in summary["notes"]
+    )
