@@ -182,12 +182,18 @@ def meta_forward(model: nn.Module, run: Callable[[nn.Module], Any]) -> Forward |
     """One forward on the meta device: the peak bytes of tensors alive at once (created by the forward: the
     weights are not counted) and the bytes of every module's outputs. ``None`` when the forward cannot run
     there (it reads a value: ``.item()``, data-dependent shapes)."""
-    outputs: dict[int, int] = {}
+    seen: dict[int, weakref.ref[torch.Tensor]] = {}  # held weakly: the forward frees what it no longer needs
+    written = [0]
 
     def record(_: nn.Module, __: Any, output: Any) -> None:
         for value in tree_leaves(output):
-            if isinstance(value, torch.Tensor):
-                outputs.setdefault(id(value), value.numel() * value.element_size())
+            if not isinstance(value, torch.Tensor):
+                continue
+            known = seen.get(id(value))
+            if known is not None and known() is value:  # a module handing its child's output on: traced once
+                continue
+            seen[id(value)] = weakref.ref(value)  # an id freed and reused by a new tensor is a new output
+            written[0] += value.numel() * value.element_size()
 
     handles = [module.register_forward_hook(record) for module in model.modules()]
     live = _LiveBytes(tensor for tensor, _ in tensor_slots(model).values())
@@ -200,7 +206,7 @@ def meta_forward(model: nn.Module, run: Callable[[nn.Module], Any]) -> Forward |
     finally:
         for handle in handles:
             handle.remove()
-    return Forward(live.peak, sum(outputs.values()))
+    return Forward(live.peak, written[0])
 
 
 def plan(
