@@ -12,7 +12,6 @@ same functions, so the numbers a script gets are the numbers a configured run ge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -134,7 +133,50 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
     return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
 
 
-def needs_float32_floors(reference: nn.Module, candidate: nn.Module, free_run: Report, noise_floor: str) -> bool:
+def compare_against_floors(
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    floors: Floors | None,
+    *,
+    reference: nn.Module | None = None,
+    reference_call: Call | None = None,
+    candidate: nn.Module | None = None,
+    directory: Path | None = None,
+    noise_floor: str = "auto",
+    notes: list[str] | None = None,
+    echo: Callable[[str], None] | None = None,
+    **options: Any,
+) -> tuple[Report, Floors | None]:
+    """:func:`compare` (``options`` are its own); then, given both models, the reference's call and a directory, a
+    float32 pair that fails its tolerance is compared once more against float32's own floors
+    (:func:`estimate_float32_floors`). Returns the free run and the floors it was judged against. A forward that
+    cannot run in float64 leaves the tolerance to judge alone (said in ``notes``)."""
+    report = compare(reference_trace, candidate_trace, floors=floors, **options)
+    if (
+        floors is not None
+        or reference is None
+        or reference_call is None
+        or candidate is None
+        or directory is None
+        or not _needs_float32_floors(reference, candidate, report, noise_floor)
+    ):
+        return report, floors
+    if echo is not None:
+        echo("paritylab: the float32 pair fails its tolerance: estimating float32's own noise floor (float64)")
+    said = notes if notes is not None else []
+    try:
+        floors = estimate_float32_floors(reference, reference_call, reference_trace, directory)
+    except Exception as error:  # the user's forward in float64
+        said.append(f"float32 noise floor not estimated: {type(error).__name__}: {error}".splitlines()[0])
+        return report, None
+    said.append(
+        "float32 noise floor: the reference against itself in float64 (each module widened while it runs); "
+        "a module fails only beyond both its tolerance and noise_multiple times its floor"
+    )
+    return compare(reference_trace, candidate_trace, floors=floors, **options), floors
+
+
+def _needs_float32_floors(reference: nn.Module, candidate: nn.Module, free_run: Report, noise_floor: str) -> bool:
     """Whether a free run is judged again against float32's own floors: both sides float32, and it fails."""
     if noise_floor == "off" or free_run.passed or free_run.errors or low_precision(reference, candidate) is not None:
         return False
@@ -369,17 +411,11 @@ def check(
         floors = estimate_floors(
             reference, reference_call, reference_trace, dtype or torch.bfloat16, directory, cast_inputs
         )
-    free_run = compare(
-        reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
+    free_run, floors = compare_against_floors(
+        reference_trace, candidate_trace, floors, reference=reference, reference_call=reference_call,
+        candidate=candidate, directory=directory, noise_floor=noise_floor, rules=rules, tolerances=tolerances,
         noise_multiple=noise_multiple,
     )  # fmt: skip
-    if floors is None and needs_float32_floors(reference, candidate, free_run, noise_floor):
-        with suppress(Exception):  # the forward in float64 failed: the tolerance judges alone
-            floors = estimate_float32_floors(reference, reference_call, reference_trace, directory)
-            free_run = compare(
-                reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
-                noise_multiple=noise_multiple,
-            )  # fmt: skip
     report = free_run
     if replay and not free_run.errors and free_run.alignment.pairs:
         lifted = lift(
@@ -410,9 +446,9 @@ def compare_and_replay(
 ) -> Report:
     """:func:`compare`, then (given the candidate model) :func:`judge_with_replay`: the final report. Given the
     reference model and its call too, a low-precision candidate is also judged by :func:`lift`."""
-    report = compare(
-        reference_trace, candidate_trace, rules=rules, tolerances=tolerances, floors=floors,
-        noise_multiple=noise_multiple,
+    report, floors = compare_against_floors(
+        reference_trace, candidate_trace, floors, reference=reference, reference_call=reference_call,
+        candidate=candidate, directory=directory, rules=rules, tolerances=tolerances, noise_multiple=noise_multiple,
     )  # fmt: skip
     if candidate is None or report.errors or not report.alignment.pairs:
         return report

@@ -49,14 +49,12 @@ from paritylab.run.parity import (
     EXIT_PASS,
     Floors,
     ParityResult,
-    compare,
-    estimate_float32_floors,
+    compare_against_floors,
     estimate_floors,
     judge_whole_graph,
     judge_with_replay,
     low_precision,
     match_weight_grids,
-    needs_float32_floors,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
@@ -280,19 +278,20 @@ class _Session:
         frozen = self._frozen_alignment()
         if frozen is not None:
             rules = load_rules(frozen)
-        free_run = compare(
-            ref_trace, cand_trace, rules=rules, tolerances=tolerances, floors=floors,
-            noise_multiple=float(cfg.compare.noise_multiple), pinned=frozen is not None,
+        given = floors
+
+        def estimating(line: str) -> None:  # the first comparison failed: its time is the compare phase's
+            self.echo(line)
+            self._mark("compare")
+
+        free_run, floors = compare_against_floors(
+            ref_trace, cand_trace, floors, reference=reference, reference_call=ref_run, candidate=candidate.model,
+            directory=self.directory, noise_floor=str(cfg.compare.noise_floor), notes=self.notes, echo=estimating,
+            rules=rules, tolerances=tolerances, noise_multiple=float(cfg.compare.noise_multiple),
+            pinned=frozen is not None,
         )  # fmt: skip
-        if floors is None and needs_float32_floors(reference, candidate.model, free_run, str(cfg.compare.noise_floor)):
-            floors = self._float32_floors(reference, ref_run, ref_trace)
-            if floors is not None:
-                free_run = compare(
-                    ref_trace, cand_trace, rules=rules, tolerances=tolerances, floors=floors,
-                    noise_multiple=float(cfg.compare.noise_multiple), pinned=frozen is not None,
-                )  # fmt: skip
         report = self._keep(free_run)
-        self._mark("compare")
+        self._mark("float32 noise floor" if floors is not given else "compare")
         lifted = None
         if cfg.compare.replay and floors is not None and floors.from_candidate:
             self.notes.append(
@@ -547,23 +546,6 @@ class _Session:
             )
             return estimate_floors(reference, run, ref_trace, low, self.directory, low_trace=cand_trace)
         return estimate_floors(reference, run, ref_trace, low, self.directory)
-
-    def _float32_floors(self, reference: nn.Module, run: Callable[[nn.Module], Any], ref_trace: Trace) -> Floors | None:
-        """A float32 pair that fails its tolerance: float32's own noise floors (against float64), so that a
-        candidate computing the same function in another order (a fused projection, another GPU kernel) is told
-        from one computing another function. ``None`` when they do not apply or cannot be made (said in a note)."""
-        self.echo("paritylab: the float32 pair fails its tolerance: estimating float32's own noise floor (float64)")
-        try:
-            floors = estimate_float32_floors(reference, run, ref_trace, self.directory)
-        except Exception as error:  # the user's forward in float64: no floor, the tolerance judges alone
-            self.notes.append(f"float32 noise floor not estimated: {type(error).__name__}: {one_line(error)}")
-            return None
-        self.notes.append(
-            "float32 noise floor: the reference against itself in float64 (each module widened while it runs); "
-            "a module fails only beyond both its tolerance and noise_multiple times its floor"
-        )
-        self._mark("float32 noise floor")
-        return floors
 
     def _rules(self, own: list[Rule], reference: Trace, root: str | None) -> list[Rule]:
         """``compare.rules``, "the output" of each side (``root``: the candidate's root call path) and the
