@@ -405,3 +405,30 @@ def test_elements_outside_tolerance_are_counted_exactly_across_chunks():
     assert divergence(reference, reference + 2e-3, tolerance)["frac_outside"] == pytest.approx(
         float(((1e-3 + 1e-2 * reference.double().abs() < 2e-3).sum()) / reference.numel()), rel=1e-6
     )
+
+
+def test_load_mapped_fills_fused_rows_in_place_and_lists_what_does_not_fit():
+    """Each part is copied into its rows of the candidate's own tensor (no concatenated copy is made); a map that
+    does not fit names every problem in one line."""
+    from paritylab.run.weights import WeightMapError, load_mapped
+
+    torch.manual_seed(0)
+    reference = nn.ModuleDict({"gate": nn.Linear(4, 3), "up": nn.Linear(4, 3), "down": nn.Linear(3, 4)})
+    candidate = nn.ModuleDict({"w13": nn.Linear(4, 6), "w2": nn.Linear(3, 4)})
+    held = candidate["w13"].weight
+    mapping = {
+        "w13.weight": ["gate.weight", "up.weight"], "w13.bias": ["gate.bias", "up.bias"],
+        "w2.weight": "down.weight", "w2.bias": "down.bias",
+    }  # fmt: skip
+    load_mapped(candidate, reference, mapping)
+    assert candidate["w13"].weight is held  # filled in place
+    assert torch.equal(held, torch.cat([reference["gate"].weight, reference["up"].weight]))
+    assert torch.equal(candidate["w13"].bias, torch.cat([reference["gate"].bias, reference["up"].bias]))
+    assert torch.equal(candidate["w2"].weight, reference["down"].weight)
+    wrong = {**mapping, "w13.weight": ["gate.weight", "down.weight"], "w2.weight": "missing.weight"}
+    with pytest.raises(WeightMapError) as refused:
+        load_mapped(candidate, reference, wrong)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "w13.weight: parts that cannot be concatenated from the reference, (6, 4) expected" in message
+    assert "w2.weight: reference has no missing.weight" in message

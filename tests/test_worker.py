@@ -75,13 +75,20 @@ def _record(uri: str) -> RunRecord:
     return RunRecord(run_name="probe", experiment="worker", uri=uri, tags={}, params={"a": "1"})
 
 
-def test_a_ctrl_c_while_the_child_waits_on_a_server_interrupts_the_child_too(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_a_ctrl_c_while_the_child_waits_on_a_server_interrupts_the_child_too(tmp_path, inherited):
     """A server that accepts connections and never answers: the child would wait out the 30 s timeout; a Ctrl-C
-    in the run reaches it at once, and it answers the run's next request."""
+    in the run reaches it at once, and it answers the run's next request. ``ignored``: the run was started from a
+    background shell or nohup, so SIGINT is ignored when the child starts; the child hears the run's all the same."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        connection = ChildConnection(Opening(_record(f"http://127.0.0.1:{silent.getsockname()[1]}"), 30.0, 0))
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN) if inherited == "ignored" else None
+        try:
+            connection = ChildConnection(Opening(_record(f"http://127.0.0.1:{silent.getsockname()[1]}"), 30.0, 0))
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGINT, before)
 
         def interrupt(*_: object) -> None:
             raise KeyboardInterrupt
