@@ -76,16 +76,21 @@ def tensor_slots(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[Slot]]]
     """Every distinct tensor ``model`` holds, keyed by its first dotted name, with all the places holding it."""
     found: dict[int, tuple[str, torch.Tensor, list[Slot]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=True):
-        held = [(n, t, "parameter") for n, t in module._parameters.items()]
-        held += [(n, t, "buffer") for n, t in module._buffers.items()]
-        held += [(n, v, "attribute") for n, v in vars(module).items() if isinstance(v, torch.Tensor)]
-        for name, tensor, kind in held:
-            if tensor is None:
-                continue
-            key = f"{prefix}.{name}" if prefix else name
+        for slot, tensor in own_slots(module):
+            key = f"{prefix}.{slot.name}" if prefix else slot.name
             entry = found.setdefault(id(tensor), (key, tensor, []))
-            entry[2].append(Slot(module, name, kind))
+            entry[2].append(slot)
     return {key: (tensor, places) for key, tensor, places in found.values()}
+
+
+def own_slots(module: nn.Module) -> list[tuple[Slot, torch.Tensor]]:
+    """The tensors ``module`` holds itself (not its children's): parameters, buffers, plain tensor attributes."""
+    held: list[tuple[Slot, Any]] = [
+        *((Slot(module, name, "parameter"), tensor) for name, tensor in module._parameters.items()),
+        *((Slot(module, name, "buffer"), tensor) for name, tensor in module._buffers.items()),
+        *((Slot(module, name, "attribute"), value) for name, value in vars(module).items()),
+    ]
+    return [(slot, tensor) for slot, tensor in held if isinstance(tensor, torch.Tensor)]
 
 
 def model_bytes(model: nn.Module) -> int:

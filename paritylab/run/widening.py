@@ -21,21 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.run.resident import Slot, assign_slot
-
-
-def _own_slots(module: nn.Module) -> list[tuple[Slot, torch.Tensor]]:
-    held: list[tuple[Slot, torch.Tensor]] = []
-    for name, parameter in module._parameters.items():
-        if parameter is not None:
-            held.append((Slot(module, name, "parameter"), parameter))
-    for name, buffer in module._buffers.items():
-        if buffer is not None:
-            held.append((Slot(module, name, "buffer"), buffer))
-    for name, value in vars(module).items():
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            held.append((Slot(module, name, "attribute"), value))
-    return [(slot, tensor) for slot, tensor in held if tensor.is_floating_point()]
+from paritylab.run.resident import Slot, assign_slot, own_slots
 
 
 @contextmanager
@@ -61,7 +47,7 @@ def widened_in_place(model: nn.Module, dtype: torch.dtype, uncalled: Collection[
             depth[key] = depth.get(key, 0) + 1
             if depth[key] > 1:  # a module calling itself again: already wide
                 return
-            held = [pair for owner in (module, *extra) for pair in _own_slots(owner)]
+            held = [(slot, t) for owner in (module, *extra) for slot, t in own_slots(owner) if t.is_floating_point()]
             saved[key] = held
             for slot, tensor in held:
                 wide = tensor.detach().to(dtype)

@@ -78,24 +78,16 @@ def device_stats(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _derive(total: float, squares: float, low: float, high: float, count: int) -> list[float]:
+    """mean, std, min, max, absmax and norm from the raw sums; NaN in them propagates, as on a device."""
     mean = total / count
-    std = math.sqrt(max(squares / count - mean * mean, 0.0))
-    return [mean, std, low, high, max(abs(low), abs(high)), math.sqrt(squares)]
+    variance = squares / count - mean * mean
+    std = math.nan if math.isnan(variance) else math.sqrt(max(variance, 0.0))
+    absmax = math.nan if math.isnan(low) or math.isnan(high) else max(abs(low), abs(high))
+    return [mean, std, low, high, absmax, math.sqrt(squares) if squares >= 0 else math.nan]
 
 
 _EXACT_COUNT = 2**24
 """From this many elements a float32 count of NaN or Inf could round: such tensors are summed in float64."""
-
-
-def device_row(raw: list[float], count: int) -> list[float]:
-    """The stats row of a tensor of ``count`` elements from :func:`device_stats`' raw sums. NaN and Inf
-    propagate into the statistics, as they would on the device."""
-    total, squares, low, high, nan, inf = raw
-    mean = total / count
-    variance = squares / count - mean * mean
-    std = math.sqrt(max(variance, 0.0)) if not math.isnan(variance) else math.nan
-    absmax = math.nan if math.isnan(low) or math.isnan(high) else max(abs(low), abs(high))
-    return [mean, std, low, high, absmax, math.sqrt(squares) if squares >= 0 else math.nan, nan, inf]
 
 
 class StatsBatch:
@@ -126,8 +118,8 @@ class StatsBatch:
                 groups.setdefault((row.device, row.dtype), []).append(index)
         for indices in groups.values():
             fetched = torch.stack([self._rows[i] for i in indices]).double().cpu().tolist()  # type: ignore[misc]
-            for i, values in zip(indices, fetched, strict=True):
-                self._rows[i] = device_row(values, self._counts[i])
+            for i, (total, squares, low, high, nan, inf) in zip(indices, fetched, strict=True):
+                self._rows[i] = [*_derive(total, squares, low, high, self._counts[i]), nan, inf]
         rows, self._rows, self._counts = self._rows, [], {}
         return [stats_dict(row) for row in rows]  # type: ignore[arg-type]
 
