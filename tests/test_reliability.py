@@ -235,7 +235,12 @@ def _inject(monkeypatch, phase: str, kind: str) -> None:
 
         monkeypatch.setattr(connection_module, "publish", failing)
     else:
-        target = {"build": "build_candidate", "compare": "compare", "replay": "judge_with_replay", "report": "to_html"}
+        target = {
+            "build": "build_candidate",
+            "compare": "compare_against_floors",
+            "replay": "judge_with_replay",
+            "report": "to_html",
+        }
         monkeypatch.setattr(runner_module, target[phase], failing)
 
 
