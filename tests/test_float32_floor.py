@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from paritylab.run.parity import check
+from paritylab.run.parity import check, estimate_float32_floors, trace_model
 from paritylab.run.widening import widened_in_place
 
 K = 4096
@@ -117,19 +117,60 @@ def test_widening_in_place_computes_in_float64_and_leaves_the_model_as_it_was():
     assert all(after[name] is tensor and tensor.dtype == torch.float32 for name, tensor in before.items())
 
 
-def test_a_module_that_reads_an_uncalled_childs_weights_is_widened_with_them():
-    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``."""
+def test_a_module_that_reads_its_childrens_or_uncalled_descendants_weights_is_widened_with_them():
+    """``nn.MultiheadAttention`` reads its child ``out_proj``'s weight without calling it; a module that reads a
+    grandchild's weight is given it wide when that grandchild is listed as never called."""
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(16, 4, batch_first=True).eval()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
-    with pytest.raises(RuntimeError), widened_in_place(attention, torch.float64):
-        attention(x, x, x)  # out_proj left in float32: the mixed product is refused, and nothing is left wide
-    assert attention.out_proj.weight.dtype == torch.float32 and attention.in_proj_weight.dtype == torch.float32
-    with widened_in_place(attention, torch.float64, uncalled=["out_proj"]):
+    with widened_in_place(attention, torch.float64):
         wide, _ = attention(x, x, x)
     exact, _ = _float64_copy(attention)(x, x, x)
     assert torch.allclose(wide, exact, rtol=1e-12, atol=1e-14)
     assert attention.out_proj.weight.dtype == torch.float32
+    reads = ReadsGrandchild().eval()
+    with pytest.raises(RuntimeError), widened_in_place(reads, torch.float64):
+        reads(x)  # the grandchild left in float32: the mixed product is refused, and nothing is left wide
+    assert reads.inner[0].weight.dtype == torch.float32
+    with widened_in_place(reads, torch.float64, uncalled=["inner", "inner.0"]):
+        wide = reads(x)
+    assert torch.equal(wide, _float64_copy(reads)(x)) and reads.inner[0].weight.dtype == torch.float32
+
+
+class ReadsGrandchild(nn.Module):
+    """Reads a grandchild's weight, the grandchild never called (a tied projection read from elsewhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.inner[0].weight)
+
+
+class CastsToGrandchild(nn.Module):
+    """Casts its input to a grandchild's dtype before calling it (``ViTModel`` reads its patch projection's
+    dtype this way): widening module by module cannot run it, a float64 copy can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x.to(self.block[0].weight.dtype))
+
+
+def test_a_forward_that_cannot_be_widened_in_place_is_measured_on_a_float64_copy(tmp_path):
+    torch.manual_seed(0)
+    model = CastsToGrandchild().eval()
+    x = torch.randn(3, 16)
+    trace = trace_model(model, lambda m: m(x), tmp_path / "reference")
+    with pytest.raises(RuntimeError), widened_in_place(model, torch.float64):
+        model(x.double())
+    floors = estimate_float32_floors(model, lambda m: m(x), trace, tmp_path)
+    assert floors.loosens_only and set(floors.local_metrics) == {c.key for c in trace.calls}
+    assert 0 < floors.local_metrics["block.1#0"]["rel_l2"] < 1e-6
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def _float64_copy(model: nn.Module) -> nn.Module:

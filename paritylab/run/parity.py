@@ -11,6 +11,7 @@ same functions, so the numbers a script gets are the numbers a configured run ge
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,8 +26,8 @@ from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import attach_replay, isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
-from paritylab.run.lifting import cast_call, lift
-from paritylab.run.resident import converted_copy
+from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift
+from paritylab.run.resident import available_memory, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import widened_in_place
 from paritylab.tracing.tracefile import Trace
@@ -115,22 +116,35 @@ def estimate_floors(
 def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: Trace, directory: Path) -> Floors:
     """float32's own noise floors: the float32 reference against itself computed in float64, the whole forward
     (free run) and each module fed the reference's own inputs (local), without a float64 copy of the model (each
-    module is widened while it runs: :func:`paritylab.run.widening.widened_in_place`). Two float32 programs that
-    compute the same function in another order (a fused projection, another GPU kernel) differ by about this
-    much; a float32 run is judged against these floors only where it fails its tolerance, and they only ever
-    loosen its judgement (``Floors.loosens_only``). Raises what the widened forward raises."""
+    module is widened while it runs: :func:`paritylab.run.widening.widened_in_place`); a forward that cannot run
+    so (it reads a grandchild's dtype or weights) runs on a float64 copy when one fits in memory. Two float32
+    programs that compute the same function in another order (a fused projection, another GPU kernel) differ by
+    about this much. Raises what the widened forward raises."""
     uncalled = reference_trace.meta.get("modules_not_called") or []
     wide = cast_call(call, torch.float64)
-    with widened_in_place(reference, torch.float64, uncalled):
-        exact = trace_model(reference, wide, directory / "noise-exact64", capture=None)
+
+    def measure(model: nn.Module) -> Floors:
+        exact = trace_model(model, wide, directory / "noise-exact64", capture=None)
         if [c.key for c in exact.calls] != [c.key for c in reference_trace.calls]:
             raise RuntimeError("the float64 forward made other module calls than the float32 one")
         alignment = align(reference_trace, reference_trace)
         replayed = isolated_replay(
-            reference, wide, reference_trace, reference_trace, alignment, directory / "noise-local64"
+            model, wide, reference_trace, reference_trace, alignment, directory / "noise-local64"
         )
-    local = local_floors(reference_trace, replayed, alignment)
-    return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
+        local = local_floors(reference_trace, replayed, alignment)
+        return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
+
+    try:
+        with widened_in_place(reference, torch.float64, uncalled):
+            return measure(reference)
+    except Exception:
+        device = next(reference.parameters()).device
+        free = available_memory(device)
+        if free is None or 2 * model_bytes(reference) > LIFTED_MEMORY_SHARE * free:
+            raise
+    for name in ("noise-exact64", "noise-local64"):
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return measure(converted_copy(reference, torch.float64))
 
 
 def compare_against_floors(

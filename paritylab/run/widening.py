@@ -3,13 +3,16 @@
 float32's own rounding is measured against float64 (the float32 noise floor, :func:`paritylab.run.parity.
 estimate_float32_floors`). A float64 copy of a 7 B model is 54 GB; :func:`widened_in_place` instead gives each module,
 for the duration of each of its calls, float64 copies of the parameters, buffers and tensor attributes it holds
-itself (and those of its descendants that are never called as modules, whose weights it reads: ``nn.
-MultiheadAttention``'s ``out_proj``), and puts the originals back when the call returns. Only one module's own
-tensors are wide at a time (its ancestors' own tensors too, which are few), and the model is unchanged afterwards.
+itself and those its direct children hold (a module reads its children's weights and their dtype before calling
+them: CLIP's and ViT's patch embeddings cast the pixels to ``self.projection.weight.dtype``; ``nn.
+MultiheadAttention`` reads ``out_proj.weight`` and never calls ``out_proj``), and those of deeper descendants that
+are never called as modules; and puts the originals back when the call returns. Only the tensors of the running
+modules and their children are wide at a time (a transformer's layers hold few of their own), and the model is
+unchanged afterwards.
 
-A forward that reads a tensor another module owns while that module is not running (a tied embedding read as
-``F.linear(x, self.embed.weight)``) meets it in the original dtype, and PyTorch refuses the mixed product: the
-caller treats any failure as "no floor", never as a verdict.
+A forward that reads a tensor another module owns while neither it nor its parent is running (a tied embedding
+read as ``F.linear(x, self.embed.weight)`` from another branch) meets it in the original dtype, and PyTorch refuses
+the mixed product: the caller treats any failure as "no floor", never as a verdict.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from paritylab.run.resident import Slot, assign_slot, own_slots
 @contextmanager
 def widened_in_place(model: nn.Module, dtype: torch.dtype, uncalled: Collection[str] = ()) -> Iterator[None]:
     """While inside, every module of ``model`` computes with ``dtype`` copies of its own floating-point tensors
-    during its calls. ``uncalled``: paths of modules never called as modules; their tensors are widened with
-    their nearest called ancestor's."""
+    and its direct children's during its calls. ``uncalled``: paths of modules never called as modules; their
+    tensors are widened with their nearest called ancestor's."""
     paths = dict(model.named_modules(remove_duplicate=True))
     adopted: dict[str, list[nn.Module]] = {}
     for path in uncalled:
@@ -47,7 +50,13 @@ def widened_in_place(model: nn.Module, dtype: torch.dtype, uncalled: Collection[
             depth[key] = depth.get(key, 0) + 1
             if depth[key] > 1:  # a module calling itself again: already wide
                 return
-            held = [(slot, t) for owner in (module, *extra) for slot, t in own_slots(owner) if t.is_floating_point()]
+            owners = (module, *module.children(), *extra)
+            held = [
+                (slot, t)
+                for owner in owners
+                for slot, t in own_slots(owner)
+                if t.is_floating_point() and t.dtype != dtype
+            ]  # a tensor already wide belongs to a running ancestor, which puts it back
             saved[key] = held
             for slot, tensor in held:
                 wide = tensor.detach().to(dtype)
