@@ -4,6 +4,7 @@ same function in another order passes; a bug far smaller than its tolerance's fa
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 from paritylab.run.parity import check, estimate_float32_floors, trace_model
 from paritylab.run.widening import widened_in_place
+from tests.tiny import tiny_llama, token_ids
 
 K = 4096
 
@@ -208,5 +210,46 @@ def test_the_command_line_run_passes_the_reordered_port_and_says_why(tmp_path):
     summary = json.loads((tmp_path / "run" / "run.json").read_text())
     assert summary["verdict"] == "pass" and "float32 noise floor" in summary["seconds"]
     assert any(
-        note.startswith("float32 noise floor: the reference against itself in float64") for note in summary["notes"]
+        note.startswith("float32 noise floor (the float32 pair fails its tolerance): the reference")
+        for note in summary["notes"]
     )
+
+
+def _summed_in_halves(linear: nn.Linear) -> None:
+    """``linear`` computes the same product summed in two halves (another order, as a fused or tiled kernel sums it),
+    with its weights as they are."""
+    half = linear.in_features // 2
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x[..., :half] @ linear.weight[:, :half].T + x[..., half:] @ linear.weight[:, half:].T
+        return out if linear.bias is None else out + linear.bias
+
+    linear.forward = forward  # type: ignore[method-assign]
+
+
+def test_an_eps_under_the_tolerance_fails_in_a_pair_that_rounds_differently_everywhere(tmp_path):
+    """Not an exact pair (every projection sums in another order, so most modules differ by rounding): an RMSNorm
+    eps of 1e-5 where the reference has 1e-6 stays within float32's tolerance, yet is dozens of times what float32's
+    rounding gives that norm's code (measured in float64 only when such an own error shows); the clean pair computes
+    no floor and passes."""
+    reference = tiny_llama(num_hidden_layers=2, rms_norm_eps=1e-6)
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.mul_(80)  # unit-sized activations, as a trained model has
+    candidate = copy.deepcopy(reference)
+    for module in candidate.modules():
+        if isinstance(module, nn.Linear):
+            _summed_in_halves(module)
+    ids = token_ids(length=10)
+    call = lambda model: model(ids)  # noqa: E731
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=call)
+    assert clean.report.passed and clean.floors is None, clean.report.summary()
+    owns = [row.local["local_rel_l2"] for row in clean.report.rows if "local_rel_l2" in row.local and row.path]
+    assert sum(own > 0 for own in owns) > len(owns) / 4  # rounding differences in many modules: not an exact pair
+    candidate.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-5
+    result = check(reference, candidate, tmp_path / "eps", reference_call=call)
+    first = result.report.first_divergence
+    assert not result.report.passed and first is not None, result.report.summary()
+    assert first.path == "model.layers.1.post_attention_layernorm"
+    assert "the rounding float32 gives this module's code" in (first.note or "")
+    assert 1e-6 < first.local["local_rel_l2"] < first.tolerance.rtol * 4  # within the fixed fp32 margin
+    assert result.floors is not None and result.floors.loosens_only

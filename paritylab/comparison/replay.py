@@ -300,8 +300,9 @@ def attach_replay(
     systematic part (:func:`~paritylab.comparison.metrics.systematic_z`), which finds gains and offsets far
     below the rounding of single values. ``lifted`` (a low-precision candidate): both sides replayed in
     float32 with the same weights (:mod:`paritylab.comparison.lifted`); a module whose own code differs there
-    fails as well. ``floor_loosens_only`` (float32's floors against float64): a module's own error diverges only
-    when it is beyond both its tolerance and its floor.
+    fails as well. ``floor_loosens_only`` (float32's floors against float64): a module's own error diverges when
+    it is beyond both its tolerance and its floor, or, within its tolerance, when it is far beyond any rounding
+    float32 gives that module's code (:func:`_beyond_float32_rounding`).
     """
     lifted_rows = lifted.judged(tolerances) if lifted is not None else {}
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
@@ -313,6 +314,7 @@ def attach_replay(
     received = received_calls(reference)
     fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
     exact = exact_pair(replay_report.rows)
+    widest = widest_floors(reference, local_floor) if floor_loosens_only and local_floor else {}
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -321,13 +323,16 @@ def attach_replay(
         inherited = relative_error(row.input_metrics)
         output = relative_error(row.metrics)
         floor = (local_floor or {}).get(row.reference.key)
-        reason, systematic = None, None
+        reason, systematic, coded = None, None, False
         if floor is not None:
             systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
         diverged = local.diverged if floor is None else reason is not None
         if floor_loosens_only:
             diverged = local.diverged and (floor is None or reason is not None)
+            code = _beyond_float32_rounding(own, widest.get(row.reference.key), row.reference.dtype)
+            if not diverged:  # within its tolerance: a failure only where rounding cannot explain it
+                diverged, reason, coded = code is not None, code, code is not None
         if (
             not diverged
             and exact is not None
@@ -336,7 +341,7 @@ def attach_replay(
             diverged, reason = True, f"own error {own:.2g} where {exact} of this pair's modules replay bit for bit"
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
-        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs):
+        if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs, floor_loosens_only):
             blamed = _unreplaced_source(row, by_index, reference, received)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
@@ -352,6 +357,8 @@ def attach_replay(
                 note += f", with the same {lifted.dtype} weights computed in float32 (lifted replay)"
                 fed_wrong.setdefault(parent.index, (parent, note))
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
+        if coded:
+            row.local[CODE_DIFFERENCE] = 1.0
         if lifted_found:
             row.local["lifted_diverged"] = 1.0
         lifted_error = relative_error(lifted_row.metrics) if lifted_row is not None else None
@@ -404,14 +411,20 @@ def _systematic(
 
 
 def _fed_wrong(
-    local: Row, floor: Mapping[str, float] | None, dtype: str | None, call: CallRecord, replayed: CallRecord | None
+    local: Row,
+    floor: Mapping[str, float] | None,
+    dtype: str | None,
+    call: CallRecord,
+    replayed: CallRecord | None,
+    loosens: bool = False,
 ) -> bool:
     """In the replay, the row's input differs from the reference's although every paired module upstream was
     given the reference's values. A floating-point input counts whenever it differs. An integer input (token or
     position ids) counts only where one side's own code changed it in place before passing it on (the tracer
     marks such a value ``changed``): otherwise different integer inputs are what each implementation chose to
     pass, not values an upstream error could have changed (GPT-2's position embedding takes positions where
-    TransformerLens' takes the tokens)."""
+    TransformerLens' takes the tokens). ``loosens`` (float32's floors): a floating-point input counts only beyond
+    both its tolerance and its floor."""
     node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
     if not local.input_metrics or node is None:
         return False
@@ -420,7 +433,8 @@ def _fed_wrong(
         return local.input_diverged and any(n is not None and n.get("changed") for n in (node, other))
     if floor is None:
         return local.input_diverged
-    return beyond_floor(local.input_metrics, floor, dtype) is not None
+    beyond = beyond_floor(local.input_metrics, floor, dtype) is not None
+    return beyond and local.input_diverged if loosens else beyond  # float32's floors only loosen the tolerance
 
 
 def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRecord | None:
@@ -493,8 +507,48 @@ SYSTEMATIC_Z = 8.0
 """... or when the difference from the reference's own low-precision replay has a gain or offset this many
 standard errors from zero (clean pairs of independently written implementations measured at most 3.6; a
 0.1 % offset in bfloat16 gives 5 to 46)."""
-_MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4}
+_MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4, "float32": 3e-8}
 """Smallest local floor assumed per dtype: a quarter of its machine epsilon (exact reference modules)."""
+
+
+CODE_MULTIPLE = 16.0
+"""A float32 module's own error beyond this multiple of float32's own rounding of its code (its floor against
+float64, or float32's unit roundoff where the floor is smaller) is a code difference, whatever the tolerance says.
+Clean pairs of independently written implementations measured at most 1.5x their floors (ten pairs, every
+module); an eps of 1e-5 where the reference has 1e-6 gives about 50x."""
+CODE_DIFFERENCE = "code_difference"
+"""A row's ``local`` flag: its own float32 error is within its tolerance and beyond :data:`CODE_MULTIPLE`."""
+FLOAT32_UNIT = 2.0**-24
+"""float32's unit roundoff: the smallest floor assumed (a reference that computes a module in float32 even when
+widened, as an RMSNorm that upcasts to float32 does, shows a floor of 0)."""
+
+
+def widest_floors(reference: Trace, local_floor: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Per reference call key, the largest local floor (``rel_l2``) of that module and everything under it: the
+    rounding its code may show when its counterpart holds some of its children's work inline (a candidate's
+    attention computing its output projection itself, where the reference's is a replaced child)."""
+    by_path: dict[str, float] = {}
+    for call in reference.calls:
+        floor = (local_floor.get(call.key) or {}).get("rel_l2", 0.0)
+        parts = call.path.split(".") if call.path else []
+        for depth in range(len(parts) + 1):
+            path = ".".join(parts[:depth])
+            by_path[path] = max(by_path.get(path, 0.0), floor)
+    return {call.key: by_path.get(call.path, 0.0) for call in reference.calls}
+
+
+def _beyond_float32_rounding(own: float, floor: float | None, dtype: str | None) -> str | None:
+    """Why a float32 module's own error within its tolerance is a code difference (:data:`CODE_MULTIPLE`), or
+    ``None``."""
+    if floor is None or dtype != "float32":
+        return None
+    rounding = max(floor, FLOAT32_UNIT)
+    if own <= CODE_MULTIPLE * rounding:
+        return None
+    return (
+        f"own error {own:.2g}, {own / rounding:.0f}x the rounding float32 gives this module's code ({floor:.2g}"
+        " against float64): a code difference (an eps, a constant), not the same arithmetic in another order"
+    )
 
 
 def beyond_floor(
@@ -560,7 +614,7 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
         for row in replayed
         if first is not None
         and row.index < first.index
-        and row.diverged
+        and (row.diverged or row.local.get(CODE_DIFFERENCE))  # its free run within a tolerance it beats
         and row.index not in ancestors(first, by_index)
     ]
     chosen: Row | None = None

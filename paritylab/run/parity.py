@@ -23,7 +23,7 @@ from torch import nn
 from paritylab.comparison.alignment import Alignment, Rule, align
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
-from paritylab.comparison.replay import attach_replay, isolated_replay, layer_replay
+from paritylab.comparison.replay import CODE_MULTIPLE, FLOAT32_UNIT, attach_replay, isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift
@@ -175,26 +175,67 @@ def compare_against_floors(
         or not _needs_float32_floors(reference, candidate, report, noise_floor)
     ):
         return report, floors
+    floors = _float32_floors(
+        reference, reference_call, reference_trace, directory, "the float32 pair fails its tolerance", notes, echo
+    )
+    if floors is None:
+        return report, None
+    return compare(reference_trace, candidate_trace, floors=floors, **options), floors
+
+
+def _float32_floors(
+    reference: nn.Module,
+    reference_call: Call,
+    reference_trace: Trace,
+    directory: Path,
+    why: str,
+    notes: list[str] | None,
+    echo: Callable[[str], None] | None,
+) -> Floors | None:
+    """:func:`estimate_float32_floors`, said (``why``) on the console and in ``notes``; ``None`` (said in
+    ``notes``) when the forward cannot run in float64: the tolerance then judges alone."""
     if echo is not None:
-        echo("paritylab: the float32 pair fails its tolerance: estimating float32's own noise floor (float64)")
+        echo(f"paritylab: {why}: estimating float32's own noise floor (float64)")
     said = notes if notes is not None else []
     try:
         floors = estimate_float32_floors(reference, reference_call, reference_trace, directory)
     except Exception as error:  # the user's forward in float64
         said.append(f"float32 noise floor not estimated: {type(error).__name__}: {error}".splitlines()[0])
-        return report, None
+        return None
     said.append(
-        "float32 noise floor: the reference against itself in float64 (each module widened while it runs); "
-        "a module fails only beyond both its tolerance and noise_multiple times its floor"
+        f"float32 noise floor ({why}): the reference against itself in float64; a module fails beyond both its "
+        f"tolerance and noise_multiple times its floor, or beyond {CODE_MULTIPLE:g} times float32's rounding of "
+        "its code whatever its tolerance"
     )
-    return compare(reference_trace, candidate_trace, floors=floors, **options), floors
+    return floors
 
 
 def _needs_float32_floors(reference: nn.Module, candidate: nn.Module, free_run: Report, noise_floor: str) -> bool:
     """Whether a free run is judged again against float32's own floors: both sides float32, and it fails."""
-    if noise_floor == "off" or free_run.passed or free_run.errors or low_precision(reference, candidate) is not None:
+    if noise_floor == "off" or free_run.passed or free_run.errors:
+        return False
+    return _float32_pair(reference, candidate)
+
+
+def _float32_pair(reference: nn.Module, candidate: nn.Module) -> bool:
+    """Both sides compute in float32: the reference holds only float32 weights and the candidate no narrower."""
+    if low_precision(reference, candidate) is not None:
         return False
     return {p.dtype for p in reference.parameters() if p.is_floating_point()} == {torch.float32}
+
+
+def _float32_suspects(report: Report, reference: nn.Module | None, candidate: nn.Module) -> bool:
+    """A float32 pair with a module whose own error passes its tolerance yet exceeds what float32's rounding of any
+    code gives without an unusually rough floor (:data:`~paritylab.comparison.replay.CODE_MULTIPLE` units)."""
+    if reference is None or report.errors or not _float32_pair(reference, candidate):
+        return False
+    return any(
+        row.status == "compared"
+        and row.reference.dtype == "float32"
+        and not row.local.get("local_diverged")
+        and row.local.get("local_rel_l2", 0.0) > CODE_MULTIPLE * FLOAT32_UNIT
+        for row in report.rows
+    )
 
 
 EXACT_DTYPE = torch.float32
@@ -329,11 +370,19 @@ def judge_with_replay(
     tolerances: Tolerances | None = None,
     floors: Floors | None = None,
     lifted: LiftedReplay | None = None,
+    reference: nn.Module | None = None,
+    reference_call: Call | None = None,
+    noise_floor: str = "auto",
+    notes: list[str] | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> tuple[Report, Floors | None]:
     """Isolated replay: the candidate run again with every aligned output replaced by the reference's value.
     Returns ``report`` judged again with each module's own error (a new report) and the floors used: when the
     candidate is the reference cast to low precision (``floors.from_candidate``), its replay is also the
-    reference's own low-precision replay, so the local floors are read from it here."""
+    reference's own low-precision replay, so the local floors are read from it here. Given the reference and
+    its call, a float32 pair with a module whose own error is within its tolerance but beyond a few units of
+    float32's rounding is judged once more against float32's own floors (:func:`estimate_float32_floors`): an eps
+    or a constant differs there by far more than the same arithmetic done in another order."""
     replayed = isolated_replay(
         candidate, candidate_call, reference_trace, candidate_trace, report.alignment, directory / "replay"
     )
@@ -342,6 +391,14 @@ def judge_with_replay(
     local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
     loosens = floors is not None and floors.loosens_only
     judged = attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted, loosens)
+    suspect = floors is None and noise_floor != "off" and _float32_suspects(judged, reference, candidate)
+    if suspect and reference is not None and reference_call is not None:
+        why = "a float32 module's own error is beyond a few units of float32's rounding"
+        floors = _float32_floors(reference, reference_call, reference_trace, directory, why, notes, echo)
+        if floors is not None:
+            judged = attach_replay(
+                report, reference_trace, replayed, tolerances, floors.local_metrics, None, lifted, True
+            )
     if not judged.passed:
         add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
     return judged, floors
@@ -438,7 +495,8 @@ def check(
         )  # fmt: skip
         report, floors = judge_with_replay(
             free_run, candidate, candidate_call, reference_trace, candidate_trace, directory,
-            tolerances=tolerances, floors=floors, lifted=lifted,
+            tolerances=tolerances, floors=floors, lifted=lifted, reference=reference, reference_call=reference_call,
+            noise_floor=noise_floor,
         )  # fmt: skip
     report = judge_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace, whole_graph)
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
@@ -474,5 +532,5 @@ def compare_and_replay(
         )  # fmt: skip
     return judge_with_replay(
         report, candidate, candidate_call, reference_trace, candidate_trace, directory,
-        tolerances=tolerances, floors=floors, lifted=lifted,
+        tolerances=tolerances, floors=floors, lifted=lifted, reference=reference, reference_call=reference_call,
     )[0]  # fmt: skip

@@ -311,7 +311,8 @@ class _Session:
             self.echo("paritylab: isolated replay")
             report, floors = judge_with_replay(
                 report, candidate.model.to(self.device), cand_run, ref_trace, cand_trace, self.directory,
-                tolerances=tolerances, floors=floors, lifted=lifted,
+                tolerances=tolerances, floors=floors, lifted=lifted, reference=reference, reference_call=ref_run,
+                noise_floor=str(cfg.compare.noise_floor), notes=self.notes, echo=self.echo,
             )  # fmt: skip
             self._keep(report)
             self._mark("replay")
