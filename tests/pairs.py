@@ -1,8 +1,8 @@
 """Pairs of independently written implementations, with planting sites whose true counterpart is known.
 
 Each pair: a transformers reference, a candidate written by other people (TransformerLens, MONAI,
-openai-whisper, torch's own ``nn.TransformerEncoder``) or by us (the LLaVA port), weights converted by the
-candidate library's own tools or, where it has none, by a name map kept here as data, and the forward call of
+openai-whisper, torch's own ``nn.TransformerEncoder``, x-transformers) or by us (the LLaVA port), weights converted
+by the candidate library's own tools or, where it has none, by a name map kept here as data, and the forward call of
 each side (TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
 module(s) that compute the same thing: the answer a localisation must give when a bug is planted there.
 Used by ``tests/test_pairs.py`` and ``benchmarks/pairs.py``.
@@ -59,11 +59,20 @@ def whisper_available() -> str | None:
     return None
 
 
+def x_transformers_available() -> str | None:
+    """Why the x-transformers pair cannot run here, or None when it can."""
+    try:
+        from x_transformers import Decoder, TransformerWrapper  # noqa: F401
+    except Exception as error:
+        return f"x-transformers is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
     if name in ("llava", "clip-text"):  # our port; torch's own nn.TransformerEncoder
         return None
-    checks = {"vit": monai_available, "whisper": whisper_available}
+    checks = {"vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available}
     return checks.get(name, transformer_lens_available)()
 
 
@@ -601,6 +610,97 @@ def clip_text_mha(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCa
     return PairCase("clip-text/torch.nn", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
+# x-transformers' module (under attn_layers.layers) -> transformers Llama's (under model.layers.{i}), per layer i:
+# x-transformers lays attention and feed-forward out as alternate entries of one flat list, each
+# [norms, block, residual], with no module for a decoder layer.
+XT_ATTENTION = {
+    "0.0": "input_layernorm",
+    "1.to_q": "self_attn.q_proj",
+    "1.to_k": "self_attn.k_proj",
+    "1.to_v": "self_attn.v_proj",
+    "1.to_out": "self_attn.o_proj",
+}
+XT_FEEDFORWARD = {"0.0": "post_attention_layernorm", "1.ff.2": "mlp.down_proj"}
+
+
+def xtransformers_llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers LlamaForCausalLM against lucidrains' x-transformers ``TransformerWrapper(Decoder(...))``:
+    attention and feed-forward as alternate entries of one flat list with no module per decoder layer, an RMSNorm
+    computed as ``F.normalize(x) * sqrt(d) * g``, the gate and up projections fused in one biased ``GLU.proj`` (up
+    first), rotary frequencies computed once by a module of the decoder and passed to every attention."""
+    from loguru import logger
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from x_transformers import Decoder, TransformerWrapper
+
+    logger.disable("x_transformers")  # its advice on rotary widths for training: not this tiny model's concern
+
+    width, heads, kv_heads, head, mlp, vocab = 64, 4, 2, 16, 176, 256
+    config = LlamaConfig(
+        hidden_size=width, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, rms_norm_eps=1e-12,
+    )  # fmt: skip
+    reference = _seeded_reference(LlamaForCausalLM, config)
+    generator = torch.Generator().manual_seed(SEED[0])
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.mul_(50)  # unit-sized activations: F.normalize has no eps to match
+        for name, parameter in reference.named_parameters():
+            if name.endswith("norm.weight"):  # trained norms differ from 1 and from each other
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    with torch.random.fork_rng(devices=[]):  # every initial weight is replaced below
+        candidate = TransformerWrapper(
+            num_tokens=vocab, max_seq_len=64, use_abs_pos_emb=False,
+            attn_layers=Decoder(
+                dim=width, depth=layers, heads=heads, attn_kv_heads=kv_heads, attn_dim_head=head,
+                rotary_pos_emb=True, rotary_emb_dim=head, use_rmsnorm=True, ff_glu=True, ff_swish=True,
+                ff_mult=mlp / width, ff_no_bias=True,
+            ),
+        ).eval()  # fmt: skip
+    weights = reference.state_dict()
+    converted = {
+        "token_emb.emb.weight": weights["model.embed_tokens.weight"],
+        "attn_layers.final_norm.g": weights["model.norm.weight"] - 1,
+        "to_logits.weight": weights["lm_head.weight"],
+    }
+    sites = {"token_emb": ("model.embed_tokens",), "attn_layers.final_norm": ("model.norm",), "to_logits": ("lm_head",)}
+    for i in range(layers):
+        theirs = f"model.layers.{i}"
+        for j, table in ((2 * i, XT_ATTENTION), (2 * i + 1, XT_FEEDFORWARD)):
+            ours = f"attn_layers.layers.{j}"
+            for mine, source in table.items():
+                if mine.startswith("0."):  # x-transformers' norms hold gamma - 1 (``unit_offset``)
+                    converted[f"{ours}.{mine}.g"] = weights[f"{theirs}.{source}.weight"] - 1
+                else:
+                    converted[f"{ours}.{mine}.weight"] = weights[f"{theirs}.{source}.weight"]
+                sites[f"{ours}.{mine}"] = (f"{theirs}.{source}",)
+        attention, feedforward = f"attn_layers.layers.{2 * i}.1", f"attn_layers.layers.{2 * i + 1}.1"
+        # x-transformers repeats grouped key/value heads as (repeat, group), transformers as (group, repeat): its
+        # query head r * kv_heads + g is transformers' g * (heads // kv_heads) + r (and the output's columns follow);
+        # its rotary turns interleaved pairs, transformers' the two halves of each head: the rows move to match
+        order = [g * (heads // kv_heads) + r for r in range(heads // kv_heads) for g in range(kv_heads)]
+        for mine, count, heads_order in (("to_q", heads, order), ("to_k", kv_heads, list(range(kv_heads)))):
+            rows = weights[f"{theirs}.self_attn.{mine[-1]}_proj.weight"].view(count, 2, head // 2, width)
+            converted[f"{attention}.{mine}.weight"] = rows[heads_order].transpose(1, 2).reshape(-1, width)
+        columns = weights[f"{theirs}.self_attn.o_proj.weight"].view(width, heads, head)
+        converted[f"{attention}.to_out.weight"] = columns[:, order].reshape(width, width)
+        up, gate = weights[f"{theirs}.mlp.up_proj.weight"], weights[f"{theirs}.mlp.gate_proj.weight"]
+        converted[f"{feedforward}.ff.0.proj.weight"] = torch.cat([up, gate])
+        converted[f"{feedforward}.ff.0.proj.bias"] = torch.zeros(2 * mlp)
+        sites |= {  # the FeedForward and its ff Sequential hold the same weights and return the same value: either
+            # may be paired with the MLP, and a plant in the other is named downstream: not sites (a known miss)
+            attention: (f"{theirs}.self_attn",),
+            f"{feedforward}.ff.0.proj": (f"{theirs}.mlp.gate_proj", f"{theirs}.mlp.up_proj"),  # fused: both halves
+            f"{feedforward}.ff.0": (f"{theirs}.mlp",),  # up * act(gate): the MLP's own code makes it
+        }
+    missing, unexpected = candidate.load_state_dict(converted, strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], missing
+    candidate = candidate.to(dtype)
+    ids = _ids(vocab)
+    return PairCase(
+        "llama/x-transformers", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
+        unpaired=tuple(f"attn_layers.layers.{2 * i + 1}.1.ff.0" for i in range(layers)),
+    )  # fmt: skip
+
+
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
     folded norms or centred weights: the same computation as the original)."""
@@ -639,6 +739,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "llava": llava_port,
     "whisper": whisper,
     "clip-text": clip_text_mha,
+    "x-transformers": xtransformers_llama,
 }
 KINDS = ("scale", "offset", "noise")
 

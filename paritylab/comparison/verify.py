@@ -23,6 +23,7 @@ clears an input that only looked as if it differed; it never adds a pair.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 import torch
@@ -38,6 +39,13 @@ CHANGED_AFTER = "changed_after_rel_l2"
 O1_ERROR = 0.25
 """A pair whose outputs differ by this much relative L2 or more differs by O(1): far beyond any rounding, so it
 is checked for being a wrong pairing before it is believed to be a bug."""
+REFUTED_ERROR = 0.05
+"""An ``auto`` pair is checked against the calls using its output when its outputs differ by this much relative L2
+or more: far beyond any precision's rounding (bfloat16's unit is 0.4 %), and beyond the 1 % bugs a damped
+downstream effect could hide (an activation variant changes what a projection returns far less than itself)."""
+UNFELT = 0.1
+"""... where what uses the output differs from its counterpart by less than this share of the pair's difference
+(a value that wrong would show downstream, and every clean pair's users agree to rounding)."""
 NEAR_IDENTITY = 0.1
 """An observer changes the value it was handed by at most this share of the pair's error to count as a
 near-identity (a hook point with a planted change), against a module whose own change is large."""
@@ -52,9 +60,13 @@ def verify_pairs(
     ``partner`` maps reference call indices to the candidate call indices they are paired with."""
     charged: dict[int, str] = {}
     by_index = {row.index: row for row in rows}
-    reverse = {cand: ref for ref, cand in partner.items()}
-    pairs = alignment.by_reference()
     passing = {candidate.call(key).cls for key in alignment.folded_candidate}  # classes that hand values on
+    for refuted, wrong, why in _refuted(rows, reference, candidate, alignment, by_index, passing):
+        _unpair(refuted, wrong, alignment, candidate.call(wrong.candidate))
+        refuted.note = f"{refuted.note}; {why}"
+    unpaired = {reference.call(key).index for key in alignment.unmatched_reference}
+    reverse = {cand: ref for ref, cand in partner.items() if ref not in unpaired}
+    pairs = alignment.by_reference()
     for row in rows:
         if row.status != "compared" or row.candidate is None or row.tolerance is None:
             continue
@@ -89,6 +101,118 @@ def verify_pairs(
         elif alike:
             _charge(source, wrapper.path, change, "a wrapper whose other calls return their child's value", charged)
     return charged
+
+
+def _refuted(
+    rows: list[Row],
+    reference: Trace,
+    candidate: Trace,
+    alignment: Alignment,
+    by_index: Mapping[int, Row],
+    passing: set[str],
+) -> list[tuple[Row, Pair, str]]:
+    """Pairs proposed by order and shape alone (``auto``) that the traces refute, ``(row, pair, why)`` for each
+    (nothing is changed here). Observers (a class whose other calls hand their input on) are left to the checks
+    below, which know what they observe.
+
+    - **Nesting**: the reference module's own modules are paired with candidate modules, none of them inside the
+      candidate module (a decoder layer against a residual addition beside it): it cannot compute their values.
+    - **Values**: its outputs differ by :data:`REFUTED_ERROR` or more while every compared call that used the
+      output (else the nearest compared call enclosing it) differs by far less (:data:`UNFELT`), whatever a bug
+      elsewhere changed there: a value that wrong would show there (a table of rotary frequencies against one of
+      cosines, an activation against the gated product it feeds). A pair of the same modules in another block (the same
+      paths but for their numbers) that differs as much is refuted with it."""
+    pairs = alignment.by_reference()
+    consumers: dict[int, set[int]] = {}
+    for call in reference.calls:
+        for _, node in iter_tensors(call.inputs, "inputs"):
+            source = node.get("from")
+            if isinstance(source, int) and source != call.index:
+                consumers.setdefault(source, set()).add(call.index)
+    inside, ours = _descendants(candidate), _descendants(reference)
+    partners = {reference.call(p.reference).index: candidate.call(p.candidate).index for p in alignment.pairs}
+    found: dict[int, tuple[Row, Pair, str]] = {}
+    suspects: list[tuple[Row, Pair, float]] = []
+    for row in rows:
+        pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
+        if pair is None or pair.source != "auto" or not _whole(pair):
+            continue
+        other = candidate.call(pair.candidate)
+        if other.cls in passing:
+            continue
+        outside = _paired_outside(row.index, other.index, reference, partners, ours, inside)
+        if outside is not None:
+            found[row.index] = (row, pair, f"paired by order and shape only, but {outside}: not one computation")
+            continue
+        error = row.rel_l2
+        if error is not None and error >= REFUTED_ERROR and row.diverged:
+            suspects.append((row, pair, error))
+    witnessed: dict[tuple[str, str], str] = {}
+    for row, pair, error in suspects:
+        users = consumers.get(row.index, set()) - set(found)  # a call refuted by nesting says nothing here
+        witness = _agreeing_user(row, users, by_index, error)
+        if witness is None:
+            continue
+        why = f"paired by order and shape only, its output differs by {error:.3g} while {witness} does not"
+        found[row.index] = (row, pair, why + ": not one computation")
+        witnessed[_pattern(pair)] = witness
+    for row, pair, error in suspects:
+        witness = witnessed.get(_pattern(pair))
+        if row.index not in found and witness is not None:
+            why = f"paired by order and shape only, its output differs by {error:.3g}, as the same pair in "
+            found[row.index] = (row, pair, why + f"another block does while {witness} does not: not one computation")
+    return [found[index] for index in sorted(found)]
+
+
+def _descendants(trace: Trace) -> dict[int, set[int]]:
+    """Call index -> the indices of the calls made inside it (its whole subtree)."""
+    below: dict[int, set[int]] = {call.index: set() for call in trace.calls}
+    for call in trace.calls:
+        parent = call.parent
+        while parent is not None and parent in below:
+            below[parent].add(call.index)
+            parent = trace.calls[parent].parent
+    return below
+
+
+def _paired_outside(
+    ref: int,
+    cand: int,
+    reference: Trace,
+    partners: Mapping[int, int],
+    ours: Mapping[int, set[int]],
+    inside: Mapping[int, set[int]],
+) -> str | None:
+    """Why the candidate call cannot be the reference call's counterpart by nesting: some of the reference call's
+    own calls are paired, and none with a call inside the candidate call. ``None`` when nesting allows the pair."""
+    paired = [(index, partners[index]) for index in sorted(ours.get(ref, ())) if index in partners]
+    if not paired or any(their in inside.get(cand, set()) for _, their in paired):
+        return None
+    first = reference.calls[paired[0][0]].path
+    return f"{len(paired)} of its modules ({first}, ...) are paired with modules outside its counterpart"
+
+
+def _agreeing_user(row: Row, users: set[int], by_index: Mapping[int, Row], error: float) -> str | None:
+    """When every compared call that used ``row``'s output (else the nearest compared call enclosing it) differs
+    from its counterpart by far less than ``error`` (:data:`UNFELT`: the difference did not reach them, whatever
+    else a bug upstream changed), the first of them, said as "<path>, which uses it," (or "encloses"); else
+    ``None``."""
+    judged = [by_index[index] for index in sorted(users) if index in by_index]
+    judged = [other for other in judged if other.status == "compared" and other.rel_l2 is not None]
+    relation = "uses"
+    if not judged:
+        parent = by_index.get(row.parent) if row.parent is not None else None
+        while parent is not None and (parent.status != "compared" or parent.rel_l2 is None):
+            parent = by_index.get(parent.parent) if parent.parent is not None else None
+        judged, relation = ([parent] if parent is not None else []), "encloses"
+    if not judged or any((other.rel_l2 or 0.0) >= UNFELT * error for other in judged):
+        return None  # a wrong value shows in every call that uses it
+    return f"{judged[0].path or '<root>'}, which {relation} it,"
+
+
+def _pattern(pair: Pair) -> tuple[str, str]:
+    """The pair's modules with their block numbers left out (``model.layers.#.norm#0``)."""
+    return re.sub(r"\d+", "#", pair.reference), re.sub(r"\d+", "#", pair.candidate)
 
 
 def _handed_on_by(reference: Trace, row: Row, by_index: Mapping[int, Row]) -> Row | None:
@@ -223,7 +347,7 @@ def _unpair(row: Row, pair: Pair, alignment: Alignment, other: CallRecord) -> No
     alignment.unmatched_candidate.append(other.key)
     row.candidate, row.status, row.verdict, row.diverged = None, "unmatched", "skip", False
     row.metrics, row.input_metrics, row.input_diverged, row.outputs = {}, {}, False, []
-    row.note = f"alignment: unpaired from {other.path}; {row.note}"
+    row.note = f"alignment: unpaired from {other.path}" + (f"; {row.note}" if row.note else "")
 
 
 def _relative(value: torch.Tensor, base: torch.Tensor) -> float:

@@ -38,6 +38,10 @@ class ParamPrint:
     digest: int
     row_bytes: bytes = b""
     col_bytes: bytes = b""
+    shifted: int = 0
+    """For a 1-D parameter: the hash of its values minus one. Norm scales are stored either way, ``w`` or ``g = w - 1``
+    (Gemma's and x-transformers' norms multiply by ``1 + g``): one side's ``shifted`` is the other's ``digest``. The
+    side holding ``w`` is the one shifted, so a bfloat16 ``g`` (rounded after the subtraction) hashes alike."""
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -49,6 +53,8 @@ class ParamPrint:
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "digest": self.digest}
+        if self.shifted:
+            data["shifted"] = self.shifted
         if self.row_bytes:
             data["rows"] = base64.b64encode(self.row_bytes).decode("ascii")
             data["cols"] = base64.b64encode(self.col_bytes).decode("ascii")
@@ -60,7 +66,8 @@ class ParamPrint:
         rows, cols = (base64.b64decode(data.get(key, ""), validate=True) for key in ("rows", "cols"))
         if rows and (len(shape) != 2 or len(rows) != 8 * shape[0] or len(cols) != 8 * shape[1]):
             raise ValueError(f"row/column hashes of {data.get('name')!r} do not fit its shape {shape}")
-        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols)
+        shifted = int(data.get("shifted", 0)) & MASK
+        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted)
 
 
 def _unpack(raw: bytes) -> tuple[int, ...]:
@@ -75,6 +82,15 @@ class ModulePrint:
     digest: int
     numel: int
     params: tuple[ParamPrint, ...] = field(default=())
+
+    @property
+    def shifted(self) -> int:
+        """The module's fingerprint with every parameter's values minus one (see :attr:`ParamPrint.shifted`), for a
+        module whose weights are only its own 1-D parameters (a norm); else 0."""
+        own = [param for param in self.params if param.digest]
+        if not own or any(not param.shifted for param in own) or sum(math.prod(p.shape) for p in own) != self.numel:
+            return 0
+        return sum(param.shifted for param in own) & MASK
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"path": self.path, "digest": self.digest, "numel": self.numel}
@@ -164,7 +180,10 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
     else:
         flat = values.reshape(-1)
         digest = sum(int(element_hashes(part).sum(dtype=torch.int64)) for part in flat.split(BLOCK)) & MASK
-    made = ParamPrint(name, tuple(param.shape), digest, rows, cols)
+    shifted = 0
+    if values.dim() == 1 and values.is_floating_point():
+        shifted = int(element_hashes(values.float() - 1).sum(dtype=torch.int64)) & MASK
+    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted)
     if version != -1:
         key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)

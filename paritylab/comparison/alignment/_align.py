@@ -108,7 +108,7 @@ class _Pairing:
 
     def fix(self, i: int, j: int, pair: Pair) -> None:
         self.fixed[i] = (j, pair)
-        if pair.candidate_part is None:
+        if pair.candidate_part is None or pair.candidate_part.whole:
             self.taken.add(j)
 
     def left_by_rules(self) -> list[int]:
@@ -174,13 +174,16 @@ def _pair_by_rules(state: _Pairing, rules: list[Rule]) -> None:
 
 
 def _pair_by_fingerprints(state: _Pairing) -> None:
-    """Modules holding equal weights (:mod:`._fingerprints`)."""
-    known = {i: j for i, (j, _) in state.fixed.items()}
-    for i, j, pair in _by_fingerprint(
-        state.ref_calls, state.cand_calls, state.open_ref, state.taken, state.ref_prints, state.cand_prints, known
-    ):
-        state.fix(i, j, pair)
-    state.close()
+    """Modules holding equal weights (:mod:`._fingerprints`); then norms whose scales one side stores as ``w - 1``;
+    then equal weights again, where the norms just paired confirm by data flow what was ambiguous before."""
+    for shift in ("", "candidate", "reference", ""):
+        known = {i: j for i, (j, _) in state.fixed.items()}
+        for i, j, pair in _by_fingerprint(
+            state.ref_calls, state.cand_calls, state.open_ref, state.taken, state.ref_prints, state.cand_prints, known,
+            shift,
+        ):  # fmt: skip
+            state.fix(i, j, pair)
+        state.close()
 
 
 def _pair_by_paths(state: _Pairing) -> None:

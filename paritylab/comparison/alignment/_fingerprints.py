@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from paritylab.comparison.alignment._features import _Features
-from paritylab.comparison.alignment._pairs import Pair
+import numpy
+
+from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, _Features
+from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._sequence import _dp
-from paritylab.comparison.alignment._shapes import _fits, _primary_input, shapes_fit
+from paritylab.comparison.alignment._shapes import _fits, _primary_input, _shape, shapes_fit
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord
 
@@ -21,8 +23,12 @@ def _by_fingerprint(
     ref_prints: dict[str, ModulePrint],
     cand_prints: dict[str, ModulePrint],
     known: dict[int, int],
+    shift: str = "",
 ) -> list[tuple[int, int, Pair]]:
     """Calls of modules with equal parameter fingerprints, paired in execution order within each group.
+
+    ``shift`` (``"reference"`` or ``"candidate"``): that side's norms are grouped by their weights minus one, so a
+    norm stored as ``w`` meets its counterpart stored as ``w - 1`` on the other side.
 
     A group with as many calls on both sides pairs them in order. In the others (a module wrapping just one
     child, weights shared by several modules, freshly initialised norms that all hold ones) only pairs that
@@ -32,13 +38,14 @@ def _by_fingerprint(
     ref_groups: dict[int, list[int]] = {}
     for i in open_ref:
         item = ref_prints.get(ref_calls[i].path)
-        if item is not None and item.numel:
-            ref_groups.setdefault(item.digest, []).append(i)
+        key = _key(item, shift == "reference")
+        if key:
+            ref_groups.setdefault(key, []).append(i)
     cand_groups: dict[int, list[int]] = {}
     for j, call in enumerate(cand_calls):
-        item = cand_prints.get(call.path)
-        if j not in taken and item is not None and item.numel and item.digest in ref_groups:
-            cand_groups.setdefault(item.digest, []).append(j)
+        key = _key(cand_prints.get(call.path), shift == "candidate")
+        if j not in taken and key and key in ref_groups:
+            cand_groups.setdefault(key, []).append(j)
     decided: list[tuple[int, int, float]] = []
     ambiguous: list[tuple[list[int], list[int]]] = []
     for digest, rows in ref_groups.items():
@@ -63,9 +70,41 @@ def _by_fingerprint(
         decided += _dp(rows, cols, confirmed)
     found: list[tuple[int, int, Pair]] = []
     for i, j, score in decided:
-        source = "identity" if ref_calls[i].key == cand_calls[j].key else "structure"
-        found.append((i, j, Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))))
+        ref, cand = ref_calls[i], cand_calls[j]
+        source = "identity" if ref.key == cand.key else "structure"
+        reordered = _reordered(ref_prints.get(ref.path), cand_prints.get(cand.path), _shape(ref))
+        found.append((i, j, Pair(ref.key, cand.key, source, round(score, 4), candidate_part=reordered)))
     return found
+
+
+def _key(item: ModulePrint | None, shifted: bool) -> int:
+    """The fingerprint a module is grouped by: its digest, or (``shifted``) its weights minus one (a norm stored as
+    ``w`` against one stored as ``w - 1``); 0 when it holds no weights."""
+    if item is None or not item.numel:
+        return 0
+    return item.shifted if shifted else item.digest
+
+
+def _reordered(ref: ModulePrint | None, cand: ModulePrint | None, shape: tuple[int, ...] | None) -> Part | None:
+    """Where each of the reference's output features sits in the candidate's output, when the two modules hold
+    the same weights with the output features' rows in another order (a query projection converted for rotary on
+    interleaved pairs, as Meta's Llama code lays it out, against transformers' halves); else ``None``. The rows
+    must be the output's last dimension and tell themselves apart (unique row hashes)."""
+    if ref is None or cand is None or not shape:
+        return None
+    ref_rows = [param for param in ref.params if param.row_bytes]
+    cand_rows = [param for param in cand.params if param.row_bytes]
+    if len(ref_rows) != 1 or len(cand_rows) != 1 or ref_rows[0].row_bytes == cand_rows[0].row_bytes:
+        return None
+    theirs = numpy.frombuffer(ref_rows[0].row_bytes, dtype="<u8")
+    ours = numpy.frombuffer(cand_rows[0].row_bytes, dtype="<u8")
+    if len(theirs) != shape[-1] or len(ours) != len(theirs) or len(numpy.unique(theirs)) != len(theirs):
+        return None
+    order = numpy.argsort(ours, kind="stable")
+    at = numpy.clip(numpy.searchsorted(ours[order], theirs), 0, len(ours) - 1)
+    if not numpy.array_equal(ours[order][at], theirs):
+        return None  # the rows differ (equal digests from other columns' order): not a reordering
+    return Part(indices=tuple(int(position) for position in order[at]), whole=True)
 
 
 def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) -> bool:
@@ -83,5 +122,6 @@ def _within_group(ref: _Features, cand: _Features) -> float:
     if not shapes_fit(ref.shape, cand.shape):
         return 0.0
     if ref.numbers and cand.numbers and ref.numbers[-1] != cand.numbers[-1]:
-        return 0.0
+        # other block numbers: preferred against, not ruled out (a flat list numbers its entries otherwise)
+        return MIN_AUTO_SCORE + 0.2 * ref.structure(cand)
     return 0.5 + 0.5 * ref.structure(cand)

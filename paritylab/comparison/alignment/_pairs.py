@@ -22,6 +22,9 @@ class Part:
     index: int | None = None
     count: int | None = None
     indices: tuple[int, ...] | None = None
+    whole: bool = False
+    """``indices`` reorder the whole last dimension: the module's own output with its features in another order
+    (query rows laid out for another rotary convention), not a part of a fused one."""
 
     def select(self, value: Any) -> Any:
         """The part of ``value`` (a tensor) along its last dimension."""
