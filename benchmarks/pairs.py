@@ -3,6 +3,7 @@
     python benchmarks/pairs.py                 # every pair, site, kind and size, fp32 and bf16
     python benchmarks/pairs.py --pairs gpt2 --dtypes float32 --sizes 0.01
     python benchmarks/pairs.py --seeds 8 --kinds                # clean pairs only, over 8 more weight seeds
+    python benchmarks/pairs.py --pairs whisper --seed 2          # the planted table on other weights
 
 For each pair (``tests/pairs.py``) and candidate dtype, the clean candidate must pass; then an error is
 planted in the output of one candidate module at a time (scale, offset or noise of relative size 1e-2 or
@@ -37,7 +38,9 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="*", default=list(KINDS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--seeds", type=int, default=0, help="also run each clean pair with N other weight seeds")
+    parser.add_argument("--seed", type=int, default=0, help="the weight seed of the planted table (0: the default)")
     args = parser.parse_args()
+    SEED[0] = args.seed
     scratch = Path(tempfile.mkdtemp(prefix="paritylab-pairs-"))
     results, misses = [], []
     try:
@@ -139,6 +142,7 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
     row = {
         "pair": case.name,
         "dtype": str(dtype).removeprefix("torch."),
+        "seed": SEED[0],
         "planted": 0,
         "exact": 0,
         "no-op": 0,

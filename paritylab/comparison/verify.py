@@ -136,7 +136,7 @@ def _refuted(
     for row in rows:
         pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
         if pair is None or pair.source != "auto" or not _whole(pair):
-            continue
+            continue  # weights or equal paths proposed it: the same model's modules, checked by their values
         other = candidate.call(pair.candidate)
         if other.cls in passing:
             continue

@@ -1,0 +1,122 @@
+"""The alignment checks what it proposed against the traces, and reads weight-proven pairs the way their weights
+say: rows in another order, norms stored as ``w - 1``, pairs by order that their users refute (the layouts of
+x-transformers' Llama, whose whole pair is ``tests/pairs.py::xtransformers_llama``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import paritylab
+
+X = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+
+
+class Norm(nn.Module):
+    """An RMS norm holding its scale as ``w`` (``offset=0``) or as ``g = w - 1`` (``offset=1``: Gemma's layout)."""
+
+    def __init__(self, width: int, offset: float = 0.0) -> None:
+        super().__init__()
+        self.scale, self.offset = nn.Parameter(torch.ones(width)), offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (self.scale + self.offset)
+
+
+class Table(nn.Module):
+    """Per-position angles, or (``cosine``) their cosines: the same shape either way."""
+
+    def __init__(self, cosine: bool) -> None:
+        super().__init__()
+        self.cosine = cosine
+        self.register_buffer("frequencies", torch.linspace(0.1, 1.0, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.frequencies
+        return angles.cos() if self.cosine else angles
+
+
+class Block(nn.Module):
+    """norm -> projection (times a positional table's cosines) -> GELU -> head."""
+
+    def __init__(self, offset: float = 0.0, cosine: bool = True, norm: str = "norm") -> None:
+        super().__init__()
+        self.norm_name = norm
+        setattr(self, norm, Norm(8, offset))
+        setattr(self, "table" if cosine else "positions", Table(cosine))  # another layout, another name
+        self.proj, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.table(x) if hasattr(self, "table") else self.positions(x)
+        cosines = table.cos() if hasattr(self, "positions") else table
+        # the activation a function: a layout the projection's rows set holds until the head reads it
+        return self.head(nn.functional.gelu(self.proj(getattr(self, self.norm_name)(x)) * cosines))
+
+
+def _pair(permuted: bool = False, offset: bool = False, angles: bool = False) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    reference = Block().eval()
+    with torch.no_grad():
+        reference.norm.scale.add_(0.1 * torch.randn(8))
+    candidate = Block(offset=1.0 if offset else 0.0, cosine=not angles, norm="ln" if offset else "norm").eval()
+    state = reference.state_dict()
+    if offset:  # another name too: only its weights can pair it
+        state["ln.scale"] = state.pop("norm.scale") - 1
+    if permuted:  # the projection's rows in another order, the head's columns to match: the same function
+        order = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+        state["proj.weight"], state["proj.bias"] = state["proj.weight"][order], state["proj.bias"][order]
+        state["head.weight"] = state["head.weight"][:, order]
+        state["table.frequencies"] = state["table.frequencies"][order]  # the table follows (its rows: angles here)
+    if angles:
+        state["positions.frequencies"] = state.pop("table.frequencies")
+    candidate.load_state_dict(state)
+    return reference, candidate
+
+
+def _check(tmp_path, reference, candidate, name):
+    return paritylab.check(reference, candidate, tmp_path / name, reference_call=lambda m: m(X))
+
+
+def _pair_of(result, path):
+    return result.report.alignment.by_reference().get(f"{path}#0")
+
+
+def test_rows_in_another_order_pair_with_the_reordering_and_a_bug_there_is_named(tmp_path):
+    reference, candidate = _pair(permuted=True, angles=True)
+    clean = _check(tmp_path, reference, candidate, "clean")
+    assert clean.verdict == "pass", clean.report.first_divergence
+    part = _pair_of(clean, "proj").candidate_part
+    assert part is not None and part.whole and sorted(part.indices) == list(range(16))
+    assert clean.report.rows[[r.path for r in clean.report.rows].index("proj")].metrics["rel_l2"] < 1e-6
+    candidate.proj.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    bug = _check(tmp_path, reference, candidate, "bug")
+    assert bug.verdict == "fail" and bug.report.first_divergence.path == "proj"
+
+
+def test_a_norm_stored_as_w_minus_one_pairs_with_its_counterpart(tmp_path):
+    reference, candidate = _pair(offset=True)
+    clean = _check(tmp_path, reference, candidate, "clean")
+    assert clean.verdict == "pass", clean.report.first_divergence
+    assert _pair_of(clean, "norm").candidate == "ln#0" and _pair_of(clean, "norm").source == "structure"  # weights
+    candidate.ln.register_forward_hook(lambda _m, _a, out: out + 0.01 * out.std())
+    bug = _check(tmp_path, reference, candidate, "bug")
+    assert bug.verdict == "fail" and bug.report.first_divergence.path == "norm"
+
+
+@pytest.mark.parametrize("planted", [None, "head"])
+def test_a_pair_by_order_whose_users_do_not_feel_its_difference_is_undone(tmp_path, planted):
+    """The candidate's table returns angles where the reference's returns their cosines: paired by order and
+    shape, they differ by O(1) while the block that uses them agrees; the pair is undone with a note instead of
+    being named the origin, and a bug elsewhere is still named where it is."""
+    reference, candidate = _pair(angles=True)
+    if planted:
+        candidate.get_submodule(planted).register_forward_hook(lambda _m, _a, out: out * 1.01)
+    result = _check(tmp_path, reference, candidate, planted or "clean")
+    row = next(r for r in result.report.rows if r.path == "table")
+    assert row.status == "unmatched" and "paired by order and shape only" in row.note and "does not" in row.note
+    assert _pair_of(result, "table") is None
+    if planted is None:
+        assert result.verdict == "pass", result.report.first_divergence
+    else:
+        assert result.verdict == "fail" and result.report.first_divergence.path == planted
