@@ -18,16 +18,19 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    scratch = [path for path in (REPOSITORY / "build",) if not path.exists()]
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
-            cwd=REPOSITORY, check=True, capture_output=True, timeout=300,
-        )  # fmt: skip
-    finally:
-        for path in scratch:  # setuptools builds in the source tree; leave it as it was
-            shutil.rmtree(path, ignore_errors=True)
+    # setuptools builds in the source tree (build/, *.egg-info): a copy of it, so that test workers building at
+    # once do not share one, and the checkout is left as it was
+    source = tmp_path_factory.mktemp("source") / "paritylab"
+    shutil.copytree(REPOSITORY, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
+        cwd=source, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
     return next(out.glob("paritylab-*.whl"))
+
+
+NOT_SOURCE = (".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "mlflow.db", "mlruns")
 
 
 def test_wheel_ships_configs_and_the_port_inside_paritylab(wheel):
