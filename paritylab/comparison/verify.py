@@ -123,6 +123,16 @@ def _refuted(
       cosines, an activation against the gated product it feeds). A pair of the same modules in another block (the same
       paths but for their numbers) that differs as much is refuted with it."""
     pairs = alignment.by_reference()
+    proposed: list[tuple[Row, Pair, CallRecord]] = []
+    for row in rows:
+        pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
+        if pair is None or pair.source != "auto" or not _whole(pair):
+            continue  # weights or equal paths proposed it: the same model's modules, checked by their values
+        other = candidate.call(pair.candidate)
+        if other.cls not in passing:
+            proposed.append((row, pair, other))
+    if not proposed:  # most runs of one model against its cast or its port: nothing to check, nothing built
+        return []
     consumers: dict[int, set[int]] = {}
     for call in reference.calls:
         for _, node in iter_tensors(call.inputs, "inputs"):
@@ -133,13 +143,7 @@ def _refuted(
     partners = {reference.call(p.reference).index: candidate.call(p.candidate).index for p in alignment.pairs}
     found: dict[int, tuple[Row, Pair, str]] = {}
     suspects: list[tuple[Row, Pair, float]] = []
-    for row in rows:
-        pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
-        if pair is None or pair.source != "auto" or not _whole(pair):
-            continue  # weights or equal paths proposed it: the same model's modules, checked by their values
-        other = candidate.call(pair.candidate)
-        if other.cls in passing:
-            continue
+    for row, pair, other in proposed:
         outside = _paired_outside(row.index, other.index, reference, partners, ours, inside)
         if outside is not None:
             found[row.index] = (row, pair, f"paired by order and shape only, but {outside}: not one computation")
