@@ -18,7 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.comparison.alignment import Alignment, Pair, Part, broadcastable, merged, primary_slot
+from paritylab.comparison.alignment import (
+    Alignment,
+    Pair,
+    Part,
+    broadcastable,
+    in_layout,
+    merged,
+    primary_slot,
+    transposed,
+)
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.metrics import Tolerances, systematic_z
 from paritylab.comparison.report import (
@@ -34,7 +43,7 @@ from paritylab.comparison.report import (
     unmatched_feeding,
 )
 from paritylab.tracing.tracefile import CallRecord, Trace
-from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.tracer import TraceOptions, trace_run
 from paritylab.tracing.values import iter_tensors
 
 
@@ -60,11 +69,14 @@ def isolated_replay(
     Pairs whose reference value was not saved, or whose shapes differ, are left as they are.
     """
     options = TraceOptions(save_tensors=directory is not None, capture=None, fingerprint=fingerprint)
-    with (
-        Tracer(candidate, directory, options) as trace,
-        teacher_forcing(candidate, reference, candidate_trace, alignment) as replaced,
-    ):
-        run(candidate)
+    replaced = 0
+
+    def forced(model: nn.Module) -> None:
+        nonlocal replaced
+        with teacher_forcing(model, reference, candidate_trace, alignment) as replaced:
+            run(model)
+
+    trace = trace_run(candidate, forced, Path(directory) if directory is not None else None, options).trace
     trace.meta["replay"] = {"replaced_calls": replaced}
     return trace
 
@@ -139,6 +151,7 @@ def layer_replay(
             if target.cut is not None:
                 value = target.cut.select(value)
             expected = target.value.to(device=value.device, dtype=torch.float64)
+            value = in_layout(value, expected.shape)
             if value.shape == expected.shape:
                 difference = float(torch.linalg.vector_norm(value.detach().to(torch.float64) - expected))
                 errors[key] = difference / max(float(torch.linalg.vector_norm(expected)), 1e-30)
@@ -260,13 +273,18 @@ def replace_slot(value: Any, parts: list[str], replacement: _Replacement) -> Any
 
 def _swap(tensor: torch.Tensor, replacement: _Replacement) -> torch.Tensor:
     new = replacement.value.to(device=tensor.device, dtype=tensor.dtype)
+    if new is replacement.value:  # the reference trace's own tensor: code that changes it in place must not reach it
+        new = new.clone()
     if replacement.cut is None:
-        if new.shape != tensor.shape and broadcastable(list(new.shape), list(tensor.shape)):
+        if transposed(tensor.shape, new.shape) is not None:  # the reference's value in the candidate's order
+            new = in_layout(new, tensor.shape)
+        elif new.shape != tensor.shape and broadcastable(list(new.shape), list(tensor.shape)):
             new = new.expand(torch.broadcast_shapes(new.shape, tensor.shape))  # a size-1 dimension one side kept
         elif merged(list(new.shape), list(tensor.shape)):
             new = new.reshape(tensor.shape)  # one side merged its leading dimensions
         return new if new.shape == tensor.shape else tensor
     cut = replacement.cut
+    new = in_layout(new, cut.select(tensor).shape)
     if cut.select(tensor).shape != new.shape:
         return tensor
     combined = tensor.clone()
@@ -405,6 +423,7 @@ def _systematic(
     own = slot_value(replay, local.candidate.key, local.candidate.slot, cand_part)
     if ref_value is None or floor_value is None or own is None:
         return None
+    own = in_layout(own, ref_value.shape)
     if not (ref_value.shape == floor_value.shape == own.shape) or not ref_value.is_floating_point():
         return None
     return systematic_z(ref_value, floor_value, own)

@@ -31,6 +31,7 @@ from paritylab.comparison.alignment import (
     merged,
     primary_slot,
     shapes_fit,
+    transposed,
 )
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
 from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck, check_outputs
@@ -605,9 +606,10 @@ def _judge(
         return "missing", "skip", {}, f"no output tensor on the {missing} side"
     ref_shape = _sliced_shape(ref_node["shape"], ref_slice)
     cand_shape = _sliced_shape(cand_node["shape"], cand_slice)
-    broadcast = ref_shape != cand_shape and broadcastable(ref_shape, cand_shape)
+    order = transposed(ref_shape, cand_shape)  # before broadcasting: [T, 1, E] is [1, T, E] in another order
+    broadcast = ref_shape != cand_shape and order is None and broadcastable(ref_shape, cand_shape)
     flattened = merged(ref_shape, cand_shape)
-    if ref_shape != cand_shape and not (broadcast or flattened):
+    if ref_shape != cand_shape and not (broadcast or flattened or order):
         note = f"shapes differ: {ref_shape} vs {cand_shape}"
         if _numel(ref_shape) == _numel(cand_shape):
             note += " (same number of elements: a layout difference?)"
@@ -617,9 +619,12 @@ def _judge(
         ref_value, cand_value = _cut(ref_value, ref_slice), _cut(cand_value, cand_slice)
         if broadcast:  # one side kept a size-1 dimension the other repeated (position embeddings)
             ref_value, cand_value = torch.broadcast_tensors(ref_value, cand_value)
+        if order is not None:  # a sequence-first candidate: its dimensions in the reference's order
+            cand_value = cand_value.permute(order)
         metrics = divergence(ref_value, cand_value, tolerance)  # both flattened: merged leading dims compare as is
         note = f"broadcast {ref_shape} against {cand_shape}" if broadcast else ""
         note = f"compared {ref_shape} as {cand_shape} (leading dimensions merged)" if flattened else note
+        note = f"compared {cand_shape} as {ref_shape} (dimensions in another order)" if order else note
         return "compared", "pass" if within(metrics) else "fail", metrics, note
     if ref_node.get("stats") and cand_node.get("stats") and ref_slice is None and cand_slice is None:
         metrics = stats_divergence(ref_node["stats"], cand_node["stats"])

@@ -100,7 +100,33 @@ def verify_pairs(
             _charge(holder, wrapper.path, change, f"its counterpart returns {source.path}'s value unchanged", charged)
         elif alike:
             _charge(source, wrapper.path, change, "a wrapper whose other calls return their child's value", charged)
+        elif _fed_in_its_place(reference, candidate, alignment, source.index, wrapper.index):
+            why = f"where the reference hands {source.path}'s value on as it was made"
+            _charge(source, wrapper.path, change, why, charged)
     return charged
+
+
+def _fed_in_its_place(reference: Trace, candidate: Trace, alignment: Alignment, made: int, wrapper: int) -> bool:
+    """Some pair's reference call is fed the value reference call ``made`` returned, as it was made (data flow),
+    while its counterpart is fed the candidate ``wrapper``'s value (data flow, or the same values: ``x + 0``
+    makes a new tensor): the wrapper stands where the reference has no code at all (a token-embedding module
+    around its ``nn.Embedding``, seen once), so a change it makes is the bug."""
+    returned = None
+    for pair in alignment.pairs:
+        if not _whole(pair):
+            continue
+        ref_input = _first(reference.call(pair.reference), "inputs")
+        cand_input = _first(candidate.call(pair.candidate), "inputs")
+        if ref_input is None or cand_input is None or ref_input.get("from") != made:
+            continue
+        if cand_input.get("from") == wrapper:
+            return True
+        if returned is None:
+            returned = _value(candidate, _first(candidate.calls[wrapper], "outputs"))
+        handed = _value(candidate, cand_input)
+        if returned is not None and handed is not None and torch.equal(handed, returned):
+            return True
+    return False
 
 
 def _refuted(

@@ -31,7 +31,7 @@ from paritylab.run.resident import available_memory, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import widened_in_place
 from paritylab.tracing.tracefile import Trace
-from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
+from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
 from paritylab.tracing.values import iter_tensors
 
 Call = Callable[[nn.Module], Any]
@@ -68,8 +68,7 @@ class Floors:
 def trace_model(model: nn.Module, call: Call, directory: Path, **options: Any) -> Trace:
     """Trace ``call(model)`` into ``directory`` (tensors saved) and return the trace read back lazily."""
     options.setdefault("save_tensors", True)
-    with Tracer(model, directory, TraceOptions(**options)):
-        call(model)
+    trace_run(model, call, directory, TraceOptions(**options))
     return Trace.load(directory)
 
 

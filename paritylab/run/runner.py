@@ -68,7 +68,7 @@ from paritylab.sink.tracking import Metric, TrackingError, flatten
 from paritylab.sink.worker import connect
 from paritylab.tracing.files import no_space
 from paritylab.tracing.tracefile import Trace, display_path, printable, write_json
-from paritylab.tracing.tracer import TraceOptions, Tracer, is_compiled
+from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
 
 RESIDENT_DIR = ".resident"
 """Run subdirectory holding the mapped weights of resident=one; removed before the run is published."""
@@ -430,10 +430,9 @@ class _Session:
             metadata={"side": side, "seed": self.cfg.seed, "model": self.cfg.model.name},
             on_call=None if bar.disable else lambda _: bar.update(),
         )
-        tracer = Tracer(model, self.directory / side, options)
         try:
-            with tracer, bar:
-                run(model)
+            with bar:
+                tracer = trace_run(model, run, self.directory / side, options)
         except Exception as error:
             self._compare_partial(side, error)
             raise

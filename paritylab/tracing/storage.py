@@ -79,6 +79,11 @@ class _Pending:
         return self.data.numel() * self.data.element_size()
 
 
+MODIFIED_IN_PLACE = "modified in place"
+"""How the reason a tensor was not stored starts when code changed it in place before the writer finished it (the
+writer works beside the forward): :func:`paritylab.tracing.tracer.trace_run` traces again, copying such outputs."""
+
+
 class TensorStore:
     """Writes tensors to size-bounded safetensors shards in ``directory`` as they are produced.
 
@@ -133,11 +138,12 @@ class TensorStore:
     def bytes_written(self) -> int:
         return self._writer.bytes_written
 
-    def put(self, tensor: torch.Tensor, name: str) -> tuple[str | None, str | None]:
-        """Accept ``tensor`` for storage under ``name``: ``(name, None)``, or ``(None, reason)``."""
+    def put(self, tensor: torch.Tensor, name: str, *, copy: bool = False) -> tuple[str | None, str | None]:
+        """Accept ``tensor`` for storage under ``name``: ``(name, None)``, or ``(None, reason)``. ``copy``: what is
+        written is a copy taken now (code will change ``tensor`` in place before the writer reaches it)."""
         if self.failure is not None:
             return None, self.failure
-        pending = self._prepare(tensor, name)
+        pending = self._prepare(tensor, name, copy)
         if isinstance(pending, str):
             return None, pending
         if self.max_bytes is not None and self.bytes_accepted + pending.nbytes > self.max_bytes:
@@ -149,7 +155,7 @@ class TensorStore:
             self._enqueue(pending)
         return name, None
 
-    def _prepare(self, tensor: torch.Tensor, name: str) -> _Pending | str:
+    def _prepare(self, tensor: torch.Tensor, name: str, copy: bool = False) -> _Pending | str:
         data = tensor.detach()
         if data.layout != torch.strided or data.is_meta:
             return f"{data.layout} tensors are not stored"
@@ -163,7 +169,7 @@ class TensorStore:
         if data.data_ptr() != tensor.data_ptr() or self._pending_limit <= 0:
             return _Pending(name, data, None)  # a private copy, or written before put returns
         version = tensor_version(data)
-        if version is None:  # no version counter to detect a later in-place change: snapshot now
+        if version is None or copy:  # no version counter to detect a later in-place change, or one is known: copy
             return _Pending(name, data.clone(), None)
         return _Pending(name, data, version)
 
@@ -247,7 +253,7 @@ class _ShardWriter:
         try:
             shard = self._shard_for(name, entry, nbytes)
             if pending.version is not None and tensor_version(data) != pending.version:
-                self.store.skipped[name] = "modified in place before it was written"
+                self.store.skipped[name] = f"{MODIFIED_IN_PLACE} before it was written"
                 return
             if nbytes:
                 _reserve(shard, nbytes)
@@ -258,7 +264,7 @@ class _ShardWriter:
             return
         if pending.version is not None and tensor_version(data) != pending.version:
             self._discard_last(shard)
-            self.store.skipped[name] = "modified in place while it was written"
+            self.store.skipped[name] = f"{MODIFIED_IN_PLACE} while it was written"
             return
         entry["data_offsets"] = [shard.size, shard.size + nbytes]
         shard.entries[name] = entry

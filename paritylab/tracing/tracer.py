@@ -11,13 +11,14 @@ import fnmatch
 import functools
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
@@ -28,7 +29,13 @@ from torch import nn
 from paritylab.tracing.capture import CaptureSpec, resolve_specs
 from paritylab.tracing.journal import CALLS_JOURNAL, TENSORS_JOURNAL, Journal
 from paritylab.tracing.stats import StatsBatch, supports_stats
-from paritylab.tracing.storage import DEFAULT_PENDING_BYTES, DEFAULT_SHARD_BYTES, TensorStore, tensor_version
+from paritylab.tracing.storage import (
+    DEFAULT_PENDING_BYTES,
+    DEFAULT_SHARD_BYTES,
+    MODIFIED_IN_PLACE,
+    TensorStore,
+    tensor_version,
+)
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, encode, pick
 
@@ -64,6 +71,10 @@ class TraceOptions:
     run, feeds next; such a change is recorded in the trace's ``meta["inputs_changed"]``."""
     fingerprint: bool = True
     """Record each module's parameter fingerprint (:mod:`.structure`), the evidence alignment trusts."""
+    snapshot: frozenset[str] = frozenset()
+    """Module paths whose outputs are copied as they are recorded, not written from the live tensor: code after the
+    call changes them in place (fairseq's ``q *= scaling`` on its query projection's output), so a writer working
+    beside the forward may find other values; :func:`trace_run` finds these paths and traces again."""
 
     def selects(self, path: str) -> bool:
         depth = 0 if not path else path.count(".") + 1
@@ -132,6 +143,11 @@ class Tracer:
         self._private: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []
         """The root call's inputs: (slot, the caller's tensor, the private copy, the copy's version)."""
         self._inputs_changed: list[str] = []
+        self._copying = False
+        """The outputs being recorded are a :attr:`TraceOptions.snapshot` path's: stored as copies."""
+        self.changed_outputs: set[str] = set()
+        """Paths of calls whose output code changed in place after they returned (seen when the changed tensor
+        was handed on): whether or not the writer stored the value first, a second trace copies them."""
 
     # -- context management ------------------------------------------------------------------------------
 
@@ -270,7 +286,9 @@ class Tracer:
         if self.options.outputs:
             self._side = "outputs"
             self._out_seen.clear()
+            self._copying = path in self.options.snapshot
             record.outputs = encode(output, self._encode_tensor)
+            self._copying = False
             if not record.identity:
                 for seen in self._out_seen:
                     if seen.producer is None:
@@ -291,7 +309,10 @@ class Tracer:
         }
         seen = self._lookup(tensor)
         if seen is None:
-            changed = self._side == "inputs" and self._changed_in_place(tensor)
+            moved = self._changed_in_place(tensor)
+            if moved:
+                self._note_changed_output(tensor)
+            changed = self._side == "inputs" and moved
             seen = self._record_tensor(tensor)
             seen.changed = changed  # seen before with other values: code that ran since changed it in place
         if seen.changed and self._side == "inputs" and seen.producer is None:
@@ -316,6 +337,13 @@ class Tracer:
             return None
         return seen
 
+    def _note_changed_output(self, tensor: torch.Tensor) -> None:
+        """``tensor``, recorded as a call's output, was changed in place since: that call's path joins
+        :attr:`changed_outputs`."""
+        producer = self._seen[id(tensor)].producer
+        if producer is not None:
+            self.changed_outputs.add(self.trace.calls[producer].path)
+
     def _changed_in_place(self, tensor: torch.Tensor) -> bool:
         """``tensor`` was recorded before and its version has moved since: it is passed on changed in place."""
         seen = self._seen.get(id(tensor))
@@ -325,7 +353,7 @@ class Tracer:
         stats = self._stats.add(tensor) if supports_stats(tensor) else None
         stored = skipped = None
         if self._store is not None and (self.options.save_tensors if save is None else save):
-            stored, skipped = self._store.put(tensor, f"t{self._stored}")
+            stored, skipped = self._store.put(tensor, f"t{self._stored}", copy=self._copying)
             self._stored += 1
         seen = _Seen(weakref.ref(tensor), tensor_version(tensor), stats, stored, skipped)
         if seen.version is not None:  # inference tensors have no version counter: never assume them unchanged
@@ -480,6 +508,38 @@ def trace(
     ``save_tensors=True``, the tensor shards, even when the forward raises.
     """
     return Tracer(model, directory, TraceOptions(**options))
+
+
+def trace_run(
+    model: nn.Module, run: Callable[[nn.Module], Any], directory: Path | None, options: TraceOptions
+) -> Tracer:
+    """Trace ``run(model)`` into ``directory`` and return the finished tracer. Where code after a call changed that
+    call's output in place before the background writer stored it (the value is then lost, and whether it is
+    depends on how fast the writer was), ``run`` is traced once more into a fresh ``directory`` with those modules'
+    outputs copied as they are recorded (:attr:`TraceOptions.snapshot`): no value is lost to the race, whichever
+    way it goes. A forward that raises propagates at once."""
+    tracer = Tracer(model, directory, options)
+    with tracer:
+        run(model)
+    lost = lost_in_place(tracer.trace)
+    if not lost or directory is None:
+        return tracer
+    shutil.rmtree(directory, ignore_errors=True)  # this function's own output of a moment ago, redone whole
+    # every output seen changed, not only those the writer lost this time: the race may go the other way next
+    tracer = Tracer(model, directory, replace(options, snapshot=options.snapshot | lost | tracer.changed_outputs))
+    with tracer:
+        run(model)
+    return tracer
+
+
+def lost_in_place(trace: Trace) -> frozenset[str]:
+    """Paths of the calls whose output values were lost to a change in place before they were written."""
+    return frozenset(
+        call.path
+        for call in trace.calls
+        for _, node in call.tensors("outputs")
+        if str(node.get("skipped", "")).startswith(MODIFIED_IN_PLACE)
+    )
 
 
 def _remove_all(handles: list[Any]) -> None:

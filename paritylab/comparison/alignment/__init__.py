@@ -25,7 +25,7 @@ from paritylab.comparison.alignment._result import Alignment
 from paritylab.comparison.alignment._rules import AlignmentError, Rule, load_rules, parse_rules
 from paritylab.comparison.alignment._runs import MAX_RUN
 from paritylab.comparison.alignment._sequence import BAND, MAX_CELLS
-from paritylab.comparison.alignment._shapes import broadcastable, merged, shapes_fit
+from paritylab.comparison.alignment._shapes import broadcastable, in_layout, merged, shapes_fit, transposed
 
 __all__ = [
     "BAND",
@@ -43,9 +43,11 @@ __all__ = [
     "Rule",
     "align",
     "broadcastable",
+    "in_layout",
     "load_rules",
     "merged",
     "parse_rules",
     "primary_slot",
     "shapes_fit",
+    "transposed",
 ]

@@ -3,10 +3,11 @@ weights, scored for the ordered pass and the rescue."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
-from paritylab.comparison.alignment._shapes import _primary, merged
+from paritylab.comparison.alignment._shapes import _primary, merged, transposed
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord
 
@@ -16,6 +17,9 @@ MIN_AUTO_SCORE = 0.3
 """Between anchors, calls of equal output shape pair with at least this score (more with name evidence)."""
 MIN_STRUCTURE = 0.3
 """Name evidence needed to pair two modules whose parameters differ."""
+WRAPPER_SCORE = 0.9
+"""Two modules holding the same weights, one computing with them itself and the other through a child (a
+wrapper that adds a residual or rescales): paired when nothing better is there, after the module's own child."""
 
 
 @dataclass
@@ -32,6 +36,10 @@ class _Features:
     """The fingerprints of its descendants that hold parameters."""
     numel: int = 0
     """How many parameter values its subtree holds (with :attr:`weights`)."""
+    own: bool = False
+    """Every weight value it holds is one of its own parameters (no module inside it holds one): it computes with
+    its weights itself, where a module holding the same weights through a child wraps that child's computation
+    in code of its own (a residual addition, a rescaling)."""
 
     @classmethod
     def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
@@ -47,6 +55,7 @@ class _Features:
             weights=item.digest if item is not None and item.numel else None,
             inner=inner,
             numel=item.numel if item is not None else 0,
+            own=item is not None and bool(item.numel) and _own_values(item) == item.numel,
         )
 
     def contradicts(self, other: _Features) -> bool:
@@ -68,12 +77,18 @@ class _Features:
         conversion bug still pairs with its namesake, a different computation does not)."""
         if self.shape is None or other.shape is None:
             return 0.0
-        if self.shape != other.shape and not merged(self.shape, other.shape):
+        if (
+            self.shape != other.shape
+            and not merged(self.shape, other.shape)
+            and not transposed(self.shape, other.shape)
+        ):
             return 0.0
         if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
             return 0.0
         if self.weights is not None and self.weights == other.weights:
-            return 1.0  # the same weights: as strong as evidence gets (a group the weights alone could not order)
+            # the same weights: as strong as evidence gets (a group the weights alone could not order), strongest
+            # between two modules that both compute with them directly, or both through a child
+            return 1.0 if self.own == other.own else WRAPPER_SCORE
         structure = self.structure(other)
         differ = self.weights is not None and other.weights is not None and self.weights != other.weights
         if differ and (structure < MIN_STRUCTURE or self.contradicts(other)):
@@ -87,6 +102,10 @@ class _Features:
         numbers = 1.0 if self.numbers and self.numbers == other.numbers else 0.0
         overlap = len(self.tokens & other.tokens) / max(1, min(len(self.tokens), len(other.tokens)))
         return 0.5 * numbers + 0.3 * _dice(self.name, other.name) + 0.1 * overlap + 0.1 * (self.cls == other.cls)
+
+
+def _own_values(item: ModulePrint) -> int:
+    return sum(math.prod(param.shape) for param in item.params if param.digest)
 
 
 def _layer_numbers(path: str) -> tuple[str, ...]:

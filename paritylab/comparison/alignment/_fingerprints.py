@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy
 
-from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, _Features
+from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, WRAPPER_SCORE, _Features
 from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._sequence import _dp
 from paritylab.comparison.alignment._shapes import _fits, _primary_input, _shape, shapes_fit
@@ -59,8 +59,8 @@ def _by_fingerprint(
             ambiguous.append((rows, cols))
     flow = dict(known) | {i: j for i, j, _ in decided}
     for rows, cols in ambiguous:
-        ref_features = {i: _Features.of(ref_calls[i]) for i in rows}
-        cand_features = {j: _Features.of(cand_calls[j]) for j in cols}
+        ref_features = {i: _Features.of(ref_calls[i], ref_prints.get(ref_calls[i].path)) for i in rows}
+        cand_features = {j: _Features.of(cand_calls[j], cand_prints.get(cand_calls[j].path)) for j in cols}
 
         def confirmed(
             i: int, j: int, r: dict[int, _Features] = ref_features, c: dict[int, _Features] = cand_features
@@ -121,7 +121,8 @@ def _within_group(ref: _Features, cand: _Features) -> float:
         return 0.0
     if not shapes_fit(ref.shape, cand.shape):
         return 0.0
+    same = ref.own == cand.own  # else a module computing with the weights against one wrapping it: less likely
     if ref.numbers and cand.numbers and ref.numbers[-1] != cand.numbers[-1]:
         # other block numbers: preferred against, not ruled out (a flat list numbers its entries otherwise)
-        return MIN_AUTO_SCORE + 0.2 * ref.structure(cand)
-    return 0.5 + 0.5 * ref.structure(cand)
+        return MIN_AUTO_SCORE + 0.2 * ref.structure(cand) * (1.0 if same else 0.5)
+    return (0.5 + 0.5 * ref.structure(cand)) * (1.0 if same else WRAPPER_SCORE)

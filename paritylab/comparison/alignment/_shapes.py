@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from paritylab.tracing.tracefile import CallRecord
 from paritylab.tracing.values import Node, iter_tensors
@@ -19,9 +20,31 @@ def _fits(ref: CallRecord, cand: CallRecord) -> bool:
 
 
 def shapes_fit(a: Sequence[int], b: Sequence[int]) -> bool:
-    """Equal, equal but for dimensions one side kept at 1 (:func:`broadcastable`), or equal but for leading
-    dimensions one side merged (:func:`merged`)."""
-    return list(a) == list(b) or broadcastable(a, b) or merged(a, b)
+    """Equal, equal but for dimensions one side kept at 1 (:func:`broadcastable`), equal but for leading
+    dimensions one side merged (:func:`merged`), or the same leading dimensions in another order
+    (:func:`transposed`)."""
+    return list(a) == list(b) or broadcastable(a, b) or merged(a, b) or transposed(a, b) is not None
+
+
+def transposed(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int, ...] | None:
+    """The order of ``candidate``'s dimensions that gives ``reference``'s shape, where its leading dimensions are
+    the reference's in another order and its last (the features) the same: ``[12, 2, 64]`` against ``[2, 12, 64]``
+    (a sequence-first implementation: fairseq, ``nn.MultiheadAttention`` without ``batch_first``, Megatron, the
+    original CLIP). ``None`` when the shapes are equal, differ otherwise, or repeat a leading size (which of two
+    equal dimensions is which is not knowable from shapes)."""
+    a, b = list(reference), list(candidate)
+    if len(a) != len(b) or a == b or not a or a[-1] != b[-1] or sorted(a[:-1]) != sorted(b[:-1]):
+        return None
+    if len(set(a[:-1])) != len(a) - 1:
+        return None
+    return (*(b.index(size) for size in a[:-1]), len(b) - 1)
+
+
+def in_layout(value: Any, shape: Sequence[int]) -> Any:
+    """``value`` (a tensor) with its dimensions in the order of ``shape`` where :func:`transposed` finds one (made
+    contiguous: the code that receives it may ``view`` it), else ``value`` itself."""
+    order = transposed(shape, value.shape)
+    return value if order is None else value.permute(order).contiguous()
 
 
 def broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
