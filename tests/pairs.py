@@ -1,9 +1,9 @@
 """Pairs of independently written implementations, with planting sites whose true counterpart is known.
 
 Each pair: a transformers reference, a candidate written by other people (TransformerLens, MONAI,
-openai-whisper, torch's own ``nn.TransformerEncoder``, x-transformers) or by us (the LLaVA port), weights converted
-by the candidate library's own tools or, where it has none, by a name map kept here as data, and the forward call of
-each side (TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
+openai-whisper, torch's own ``nn.TransformerEncoder``, x-transformers, fair-esm) or by us (the LLaVA port), weights
+converted by the candidate library's own tools or, where it has none, by a name map kept here as data, and the forward
+call of each side (TransformerLens takes token ids positionally). ``sites`` maps a candidate module to the reference
 module(s) that compute the same thing: the answer a localisation must give when a bug is planted there.
 Used by ``tests/test_pairs.py`` and ``benchmarks/pairs.py``.
 """
@@ -68,11 +68,23 @@ def x_transformers_available() -> str | None:
     return None
 
 
+def esm_available() -> str | None:
+    """Why the ESM pair cannot run here, or None when it can."""
+    try:
+        from esm.model.esm2 import ESM2  # noqa: F401
+    except Exception as error:
+        return f"fair-esm is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
     if name in ("llava", "clip-text"):  # our port; torch's own nn.TransformerEncoder
         return None
-    checks = {"vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available}
+    checks = {
+        "vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available,
+        "esm": esm_available,
+    }  # fmt: skip
     return checks.get(name, transformer_lens_available)()
 
 
@@ -661,7 +673,10 @@ def xtransformers_llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> 
         "attn_layers.final_norm.g": weights["model.norm.weight"] - 1,
         "to_logits.weight": weights["lm_head.weight"],
     }
-    sites = {"token_emb": ("model.embed_tokens",), "attn_layers.final_norm": ("model.norm",), "to_logits": ("lm_head",)}
+    sites = {  # token_emb wraps its nn.Embedding (the Embedding is paired with transformers', leaf with leaf)
+        "token_emb": ("model.embed_tokens",), "token_emb.emb": ("model.embed_tokens",),
+        "attn_layers.final_norm": ("model.norm",), "to_logits": ("lm_head",),
+    }  # fmt: skip
     for i in range(layers):
         theirs = f"model.layers.{i}"
         for j, table in ((2 * i, XT_ATTENTION), (2 * i + 1, XT_FEEDFORWARD)):
@@ -697,8 +712,74 @@ def xtransformers_llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> 
     ids = _ids(vocab)
     return PairCase(
         "llama/x-transformers", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
-        unpaired=tuple(f"attn_layers.layers.{2 * i + 1}.1.ff.0" for i in range(layers)),
+        unpaired=("token_emb", *(f"attn_layers.layers.{2 * i + 1}.1.ff.0" for i in range(layers))),
     )  # fmt: skip
+
+
+# fair-esm's module -> transformers EsmForMaskedLM's (transformers' own ``convert_esm.py`` map), per layer under
+# layers.{i} / esm.encoder.layer.{i}: the weight conversion of the pair.
+ESM_MODULES = {
+    "embed_tokens": "esm.embeddings.word_embeddings",  # also the language-model head's weight (read, not called)
+    "emb_layer_norm_after": "esm.encoder.emb_layer_norm_after",
+    "lm_head.dense": "lm_head.dense",
+    "lm_head.layer_norm": "lm_head.layer_norm",
+    "contact_head.regression": "esm.contact_head.regression",  # never called by a plain forward
+}
+ESM_LAYER = {
+    "self_attn_layer_norm": "attention.LayerNorm",
+    "self_attn.q_proj": "attention.self.query",
+    "self_attn.k_proj": "attention.self.key",
+    "self_attn.v_proj": "attention.self.value",
+    "self_attn.out_proj": "attention.output.dense",
+    "final_layer_norm": "LayerNorm",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+}
+
+
+def esm_fair(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers EsmForMaskedLM against the original it was ported from, Meta's ``fair-esm`` ESM-2: a
+    bidirectional encoder with rotary attention whose layers run sequence-first (``[T, B, E]``, transposed from
+    transformers' ``[B, T, E]``), a fairseq attention module returning ``(output, weights)``, GELU as a function
+    (no module), a language-model head that reads the token embedding's weight, the masked-token rescaling of the
+    embeddings in the model's own code, and a dict of outputs."""
+    from esm.model.esm2 import ESM2
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    width, heads, mlp = 64, 4, 256
+    with torch.random.fork_rng(devices=[]):  # every initial weight is replaced below
+        candidate = ESM2(num_layers=layers, embed_dim=width, attention_heads=heads, token_dropout=True).eval()
+    alphabet = candidate.alphabet
+    config = EsmConfig(
+        vocab_size=len(alphabet.all_toks), hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=mlp, position_embedding_type="rotary", token_dropout=True, layer_norm_eps=1e-5,
+        mask_token_id=alphabet.mask_idx, pad_token_id=alphabet.padding_idx, emb_layer_norm_before=False,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    reference = _seeded_reference(EsmForMaskedLM, config)
+    weights = reference.state_dict()
+    modules = dict(ESM_MODULES)
+    for i in range(layers):
+        modules |= {f"layers.{i}.{ours}": f"esm.encoder.layer.{i}.{theirs}" for ours, theirs in ESM_LAYER.items()}
+    converted = {"lm_head.bias": weights["lm_head.bias"]}
+    for ours, theirs in modules.items():
+        for kind in ("weight", "bias"):
+            if f"{theirs}.{kind}" in weights:
+                converted[f"{ours}.{kind}"] = weights[f"{theirs}.{kind}"]
+    missing, unexpected = candidate.load_state_dict(converted, strict=False)
+    # the head's weight is the token embedding's (tied); each rotary's inverse frequencies, its own buffer
+    assert not unexpected and not [k for k in missing if k != "lm_head.weight" and "rot_emb" not in k], missing
+    candidate = candidate.to(dtype)
+    generator = torch.Generator().manual_seed(SEED[0] + 1)
+    residues = torch.randint(4, 24, (2, 10), generator=generator)  # the twenty standard amino acids
+    residues[0, 3] = alphabet.mask_idx  # one masked token: the embeddings are rescaled by the masked share
+    column = torch.ones(2, 1, dtype=torch.long)
+    ids = torch.cat([column * alphabet.cls_idx, residues, column * alphabet.eos_idx], dim=1)
+    sites = {ours: (theirs,) for ours, theirs in modules.items() if not ours.startswith("contact_head")}
+    for i in range(layers):
+        sites[f"layers.{i}"] = (f"esm.encoder.layer.{i}",)
+    sites["lm_head"] = ("lm_head",)
+    return PairCase("esm/fair-esm", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
@@ -740,6 +821,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "whisper": whisper,
     "clip-text": clip_text_mha,
     "x-transformers": xtransformers_llama,
+    "esm": esm_fair,
 }
 KINDS = ("scale", "offset", "noise")
 

@@ -59,7 +59,9 @@ def test_clean_pair_passes_with_zero_rules(name, dtype, tmp_path):
     if low is not None:
         floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, tmp_path, case.cast_inputs)
     report = _judge(case, tmp_path, "clean", reference_trace, floors)
-    assert report.passed and report.first_divergence is None, [(r.path, r.note) for r in report.failing]
+    unchecked = [(row.path, row.status, row.note) for row in report.not_compared]
+    failing = [(row.path, row.note) for row in report.failing]
+    assert report.passed and report.first_divergence is None, (report.verdict, unchecked, failing)
     pairs = report.alignment.by_reference()
     for candidate_path, expected in case.sites.items():  # every site's true counterpart is what was paired
         found = [p for p in pairs.values() if p.candidate == f"{candidate_path}#0"]
