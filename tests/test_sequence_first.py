@@ -89,9 +89,11 @@ def _pair() -> tuple[nn.Module, nn.Module]:
     return reference, candidate
 
 
-def _check(tmp_path, reference, candidate, name, batch):
+def _check(tmp_path, reference, candidate, name, batch, dtype=torch.float32):
     x = torch.randn(batch, 5, 8, generator=torch.Generator().manual_seed(1))
-    return paritylab.check(reference, candidate, tmp_path / name, reference_call=lambda m: m(x))
+    return paritylab.check(
+        reference, candidate, tmp_path / name, reference_call=lambda m: m(x), candidate_call=lambda m: m(x.to(dtype))
+    )
 
 
 def test_leading_dimensions_in_another_order_are_transposed_not_broadcast():
@@ -181,3 +183,19 @@ def test_an_output_changed_in_place_is_seen_when_it_is_handed_on_even_if_nothing
     with tracer:  # written before the forward goes on: nothing lost, the change seen all the same
         model(torch.randn(2, 8))
     assert tracer.changed_outputs == {"proj"} and "ref" in tracer.trace.call("proj#0").outputs
+
+
+def test_a_noise_bug_in_a_bf16_sequence_first_candidate_is_named_by_the_lifted_replay(tmp_path):
+    """Noise of 1 % at one projection of a bf16 candidate hides under bf16's noise floor in the free run; the
+    lifted replay (both sides' code in float32 with the bf16 weights) finds it, once it compares what each module
+    was fed in the reference's order of dimensions."""
+    reference, candidate = _pair()
+    candidate = candidate.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(2)
+
+    def noisy(_module, _args, out):
+        return out + 0.01 * out.float().std().to(out.dtype) * torch.randn(out.shape, generator=generator).to(out.dtype)
+
+    candidate.layers[0].fc1.register_forward_hook(noisy)
+    result = _check(tmp_path, reference, candidate, "bug", 2, torch.bfloat16)
+    assert result.verdict == "fail" and result.report.first_divergence.path == "layers.0.up"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paritylab.comparison.alignment import Alignment, Pair
+from paritylab.comparison.alignment import Alignment, Pair, in_layout
 from paritylab.comparison.metrics import Tolerance, Tolerances
 from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, compare_traces, relative_error, slot_value
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
@@ -282,6 +282,7 @@ def _same_values(value: torch.Tensor, other: torch.Tensor) -> bool:
     """``value`` holds ``other``'s values within float32's divergence margin (relative L2): element for
     element in another shape, or broadcast along a dimension one side keeps at size 1 (rotary tables given
     per sequence or per batch)."""
+    value = in_layout(value, other.shape)  # a sequence-first side's value in the other's order of dimensions
     if value.shape != other.shape and value.numel() != other.numel():
         try:
             shape = torch.broadcast_shapes(value.shape, other.shape)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
-from paritylab.comparison.alignment import Alignment, Pair
+from paritylab.comparison.alignment import Alignment, Pair, in_layout, transposed
 from paritylab.comparison.metrics import Tolerance, divergence
 from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, relative_error
 from paritylab.tracing.tracefile import CallRecord, Node, Trace
@@ -312,9 +312,9 @@ def _observes(row: Row, reference: Trace, candidate: Trace, call: CallRecord, ot
     input agrees, compared output to output."""
     handed = _value(candidate, _first(other, "inputs"))
     made = _value(reference, _at(call, row.reference.slot))
-    if handed is None or made is None or handed.shape != made.shape or not handed.is_floating_point():
+    if handed is None or made is None or not _fits(handed, made) or not handed.is_floating_point():
         return False
-    metrics = divergence(made, handed, Tolerance(0.0, 0.0))
+    metrics = divergence(made, in_layout(handed, made.shape), Tolerance(0.0, 0.0))
     error = relative_error(metrics)
     if error is None or error > margin:
         return False
@@ -366,7 +366,7 @@ def _observed(rows: list[Row], row: Row, reference: Trace, handed: torch.Tensor 
         if other.parent != row.parent or other is row or other.status != "unmatched":
             continue
         made = _value(reference, _first(reference.calls[other.index], "outputs"))
-        if made is not None and made.shape == handed.shape and _relative(handed, made) <= margin:
+        if made is not None and _fits(handed, made) and _relative(in_layout(handed, made.shape), made) <= margin:
             return other
     return None
 
@@ -378,6 +378,12 @@ def _unpair(row: Row, pair: Pair, alignment: Alignment, other: CallRecord) -> No
     row.candidate, row.status, row.verdict, row.diverged = None, "unmatched", "skip", False
     row.metrics, row.input_metrics, row.input_diverged, row.outputs = {}, {}, False, []
     row.note = f"alignment: unpaired from {other.path}" + (f"; {row.note}" if row.note else "")
+
+
+def _fits(candidate: torch.Tensor, reference: torch.Tensor) -> bool:
+    """A candidate value and a reference value of the same shape, or of the same shape in another order of
+    dimensions (a sequence-first candidate): comparable element for element once :func:`in_layout` is applied."""
+    return candidate.shape == reference.shape or transposed(reference.shape, candidate.shape) is not None
 
 
 def _relative(value: torch.Tensor, base: torch.Tensor) -> float:
