@@ -120,3 +120,18 @@ def test_a_pair_by_order_whose_users_do_not_feel_its_difference_is_undone(tmp_pa
         assert result.verdict == "pass", result.report.first_divergence
     else:
         assert result.verdict == "fail" and result.report.first_divergence.path == planted
+
+
+def test_columns_in_another_order_compare_the_input_in_the_reference_order_and_a_bug_there_is_named(tmp_path):
+    """The head reads the projection's features in the candidate's order (its weight's columns permuted to match):
+    what it is fed is compared in the reference's order, so a bug in the head is the head's, not its parent's."""
+    reference, candidate = _pair(permuted=True, angles=True)
+    clean = _check(tmp_path, reference, candidate, "clean")
+    assert clean.verdict == "pass", clean.report.first_divergence
+    order = _pair_of(clean, "head").candidate_input_part
+    assert order is not None and sorted(order.indices) == list(range(16))
+    head = clean.report.rows[[r.path for r in clean.report.rows].index("head")]
+    assert head.input_metrics["rel_l2"] < 1e-6  # fed alike, once read in the reference's order
+    candidate.head.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    bug = _check(tmp_path, reference, candidate, "bug")
+    assert bug.verdict == "fail" and bug.report.first_divergence.path == "head"

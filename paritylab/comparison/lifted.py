@@ -110,10 +110,14 @@ class LiftedReplay:
         what the run's first received."""
         pair = next(pair for pair in self.alignment.pairs if pair.reference == key)
         received = _floating_inputs(self.reference, pair.reference_input or pair.reference)
+        order = pair.candidate_input_part  # input features in another order (its weight's columns say so)
         for value in _floating_inputs(self.candidate, pair.candidate_input or pair.candidate):
             if _cast_proof(value):
                 continue  # a mask or an index-like table: what each side chose to build
-            if not any(_same_values(value, other) for other in received):
+            readings = [value]
+            if order is not None and order.indices is not None and value.shape[-1] == len(order.indices):
+                readings.append(order.select(value))
+            if not any(_same_values(reading, other) for reading in readings for other in received):
                 return False
         return True
 

@@ -498,7 +498,7 @@ def _compare_pair(
     ref_in, cand_in = _primary_input(ref_input_call), _primary_input(cand_input_call)
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
-            memo, reference, candidate, ref_in, cand_in, None, None, row.tolerance
+            memo, reference, candidate, ref_in, cand_in, None, pair.candidate_input_part, row.tolerance
         )
         for other_ref, other_cand in _inputs_by_dataflow(ref_input_call, cand_input_call, ref_in, partner):
             _, verdict, metrics, _ = _judge_once(

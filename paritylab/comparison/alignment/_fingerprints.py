@@ -72,9 +72,17 @@ def _by_fingerprint(
     for i, j, score in decided:
         ref, cand = ref_calls[i], cand_calls[j]
         source = "identity" if ref.key == cand.key else "structure"
-        reordered = _reordered(ref_prints.get(ref.path), cand_prints.get(cand.path), _shape(ref))
-        found.append((i, j, Pair(ref.key, cand.key, source, round(score, 4), candidate_part=reordered)))
+        ref_print, cand_print = ref_prints.get(ref.path), cand_prints.get(cand.path)
+        reordered = _reordered(ref_print, cand_print, _shape(ref))
+        read = _reordered(ref_print, cand_print, _input_shape(ref), columns=True)
+        pair = Pair(ref.key, cand.key, source, round(score, 4), candidate_part=reordered, candidate_input_part=read)
+        found.append((i, j, pair))
     return found
+
+
+def _input_shape(call: CallRecord) -> tuple[int, ...] | None:
+    node = _primary_input(call)
+    return tuple(node["shape"]) if node else None
 
 
 def _key(item: ModulePrint | None, shifted: bool) -> int:
@@ -85,19 +93,23 @@ def _key(item: ModulePrint | None, shifted: bool) -> int:
     return item.shifted if shifted else item.digest
 
 
-def _reordered(ref: ModulePrint | None, cand: ModulePrint | None, shape: tuple[int, ...] | None) -> Part | None:
+def _reordered(
+    ref: ModulePrint | None, cand: ModulePrint | None, shape: tuple[int, ...] | None, columns: bool = False
+) -> Part | None:
     """Where each of the reference's output features sits in the candidate's output, when the two modules hold
     the same weights with the output features' rows in another order (a query projection converted for rotary on
     interleaved pairs, as Meta's Llama code lays it out, against transformers' halves); else ``None``. The rows
-    must be the output's last dimension and tell themselves apart (unique row hashes)."""
+    must be the output's last dimension and tell themselves apart (unique row hashes). ``columns``: the same for
+    the input features (``shape`` the input's), read from the weight's columns (an output projection reading the
+    attention heads in another order)."""
     if ref is None or cand is None or not shape:
         return None
-    ref_rows = [param for param in ref.params if param.row_bytes]
-    cand_rows = [param for param in cand.params if param.row_bytes]
-    if len(ref_rows) != 1 or len(cand_rows) != 1 or ref_rows[0].row_bytes == cand_rows[0].row_bytes:
+    ref_rows = [param.col_bytes if columns else param.row_bytes for param in ref.params if param.row_bytes]
+    cand_rows = [param.col_bytes if columns else param.row_bytes for param in cand.params if param.row_bytes]
+    if len(ref_rows) != 1 or len(cand_rows) != 1 or ref_rows[0] == cand_rows[0]:
         return None
-    theirs = numpy.frombuffer(ref_rows[0].row_bytes, dtype="<u8")
-    ours = numpy.frombuffer(cand_rows[0].row_bytes, dtype="<u8")
+    theirs = numpy.frombuffer(ref_rows[0], dtype="<u8")
+    ours = numpy.frombuffer(cand_rows[0], dtype="<u8")
     if len(theirs) != shape[-1] or len(ours) != len(theirs) or len(numpy.unique(theirs)) != len(theirs):
         return None
     order = numpy.argsort(ours, kind="stable")

@@ -73,6 +73,10 @@ class Pair:
     """For a ``run`` pair: the call whose input stands for the reference side's input (the run's first)."""
     candidate_input: str | None = None
     """The same on the candidate side."""
+    candidate_input_part: Part | None = None
+    """Where each of the reference's input features sits in the candidate's input, when the two modules hold the
+    same weights with the input columns in another order (an output projection reading attention heads in another
+    order): the inputs are compared in the reference's order."""
 
 
 def primary_slot(call: CallRecord, index: Index) -> str | None:
