@@ -18,11 +18,7 @@ PAIR_NAMES = [
 ]
 
 
-KNOWN_MISSES: dict[str, tuple[str, ...]] = {
-    # x-transformers' GLU computes ``up * act(gate)``, which transformers computes in the MLP's own code: named at
-    # ``act_fn``.
-    "x-transformers": tuple(f"attn_layers.layers.{j}.1.ff.0" for j in (1, 3)),
-}
+KNOWN_MISSES: dict[str, tuple[str, ...]] = {}
 """Sites whose plant is named elsewhere (findings about the tool), left out of the slices below (the full table,
 misses included, is ``benchmarks/pairs.py``)."""
 

@@ -135,3 +135,69 @@ def test_columns_in_another_order_compare_the_input_in_the_reference_order_and_a
     candidate.head.register_forward_hook(lambda _m, _a, out: out * 1.01)
     bug = _check(tmp_path, reference, candidate, "bug")
     assert bug.verdict == "fail" and bug.report.first_divergence.path == "head"
+
+
+class GatedMLP(nn.Module):
+    """transformers' layout: ``down(act(gate(x)) * up(x))``, the product in the MLP's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.act, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class GLU(nn.Module):
+    """x-transformers' layout: gate and up fused in one projection, the product returned by a module of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.act = nn.Linear(8, 32), nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.proj(x).chunk(2, dim=-1)
+        return up * self.act(gate)
+
+
+class FusedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.glu, self.down = GLU(), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.glu(x))
+
+
+def _mlps() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    reference, candidate = nn.Sequential(GatedMLP(), GatedMLP()).eval(), nn.Sequential(FusedMLP(), FusedMLP()).eval()
+    state = reference.state_dict()
+    converted = {}
+    for i in range(2):
+        for kind in ("weight", "bias"):
+            converted[f"{i}.glu.proj.{kind}"] = torch.cat([state[f"{i}.up.{kind}"], state[f"{i}.gate.{kind}"]])
+            converted[f"{i}.down.{kind}"] = state[f"{i}.down.{kind}"]
+    candidate.load_state_dict(converted)
+    return reference, candidate
+
+
+@pytest.mark.parametrize("planted", [None, "0.glu", "1.glu"])
+def test_a_refuted_pair_is_repaired_with_the_call_inside_that_computes_its_value(tmp_path, planted):
+    """The activation, paired by order and shape with the GLU (which returns the gated product), is refuted by
+    its users and re-paired with the GLU's own activation, whose output is its value; in every block alike. A bug
+    in the product is then the reference MLP's own code's, not the activation's. Values choose the repair, so
+    only where they agree to rounding: after a bug (the blocks past the planted one) the activation is left
+    unpaired, as before."""
+    reference, candidate = _mlps()
+    if planted:
+        candidate.get_submodule(planted).register_forward_hook(lambda _m, _a, out: out * 1.01)
+    result = _check(tmp_path, reference, candidate, planted or "clean")
+    last = int(planted.split(".")[0]) if planted else 1
+    for i in range(2):
+        pair = _pair_of(result, f"{i}.act")
+        assert (pair.candidate if pair else None) == (f"{i}.glu.act#0" if i <= last else None)
+    if planted is None:
+        assert result.verdict == "pass", result.report.first_divergence
+    else:
+        assert result.verdict == "fail" and result.report.first_divergence.path == planted.split(".")[0]

@@ -348,7 +348,13 @@ def compare_traces(
     _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner)
     from paritylab.comparison.verify import verify_pairs  # it reads rows: imported here, below this module
 
-    charged = verify_pairs(rows, reference, candidate, alignment, partner)
+    def rejudge(call: CallRecord, other: CallRecord, pair: Pair) -> Row:
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner)
+        _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
+        _mark_divergence(row, noise_multiple)
+        return row
+
+    charged = verify_pairs(rows, reference, candidate, alignment, partner, rejudge)
     _infer_inputs(rows, reference)
     origins = _localise(rows, reference)
     first, reason = None, ""

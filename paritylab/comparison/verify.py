@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -52,18 +52,31 @@ near-identity (a hook point with a planted change), against a module whose own c
 
 
 def verify_pairs(
-    rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment, partner: Mapping[int, int]
+    rows: list[Row],
+    reference: Trace,
+    candidate: Trace,
+    alignment: Alignment,
+    partner: Mapping[int, int],
+    rejudge: Callable[[CallRecord, CallRecord, Pair], Row] | None = None,
 ) -> dict[int, str]:
     """Check every compared whole pair against its values (see the module's text). Returns the rows charged
     with a change the candidate makes after them (reference call index -> why), for the headline.
 
-    ``partner`` maps reference call indices to the candidate call indices they are paired with."""
+    ``partner`` maps reference call indices to the candidate call indices they are paired with. ``rejudge``
+    compares a pair the checks make (a refuted pair repaired, :func:`_repair`) as the first comparison did."""
     charged: dict[int, str] = {}
     by_index = {row.index: row for row in rows}
     passing = {candidate.call(key).cls for key in alignment.folded_candidate}  # classes that hand values on
+    repaired: list[tuple[Row, CallRecord]] = []
     for refuted, wrong, why in _refuted(rows, reference, candidate, alignment, by_index, passing):
         _unpair(refuted, wrong, alignment, candidate.call(wrong.candidate))
         refuted.note = f"{refuted.note}; {why}"
+        found = _repair(refuted, wrong, reference, candidate, alignment) if rejudge is not None else None
+        if found is not None and rejudge is not None:
+            repaired.append(_install(refuted, found, rows, by_index, reference, alignment, partner, rejudge))
+    for lone, found in _repairs_alike(repaired, rows, reference, candidate, alignment, partner):
+        assert rejudge is not None  # nothing is repaired without it
+        _install(lone, found, rows, by_index, reference, alignment, partner, rejudge)
     unpaired = {reference.call(key).index for key in alignment.unmatched_reference}
     reverse = {cand: ref for ref, cand in partner.items() if ref not in unpaired}
     pairs = alignment.by_reference()
@@ -369,6 +382,109 @@ def _observed(rows: list[Row], row: Row, reference: Trace, handed: torch.Tensor 
         if made is not None and _fits(handed, made) and _relative(in_layout(handed, made.shape), made) <= margin:
             return other
     return None
+
+
+REPAIR_SCOPE = 64
+"""Calls examined for a refuted pair's repair: the wrong candidate module's own calls, then its siblings."""
+
+
+def _repair(row: Row, wrong: Pair, reference: Trace, candidate: Trace, alignment: Alignment) -> CallRecord | None:
+    """The candidate call that computes what a refuted pair's reference call does, where exactly one does: a call
+    no pair holds, inside the module it was wrongly paired with or beside it, whose output is the reference
+    call's within the divergence margin (the GLU's own ``act`` for an ``act_fn`` wrongly paired with the GLU).
+    Values alone choose here, so only a value that agrees to rounding re-pairs: a bug upstream leaves the call
+    unpaired, as before."""
+    if row.tolerance is None:
+        return None
+    made = _value(reference, _first(reference.call(row.reference.key), "outputs"))
+    if made is None or not made.is_floating_point():
+        return None
+    margin = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
+    held = {pair.candidate for pair in alignment.pairs} | set(alignment.folded_candidate)
+    around = candidate.call(wrong.candidate)
+    inside = [call for call in candidate.calls if call.index > around.index and _within(candidate, call, around.index)]
+    beside = [call for call in candidate.calls if call.parent == around.parent and call is not around]
+    found = []
+    for other in (inside + beside)[:REPAIR_SCOPE]:
+        value = _value(candidate, _first(other, "outputs")) if other.key not in held else None
+        agrees = value is not None and value.is_floating_point() and _fits(value, made)
+        if agrees and value is not None and _relative(in_layout(value, made.shape), made) <= margin:
+            found.append(other)
+    return found[0] if len(found) == 1 else None
+
+
+def _install(
+    row: Row,
+    found: CallRecord,
+    rows: list[Row],
+    by_index: dict[int, Row],
+    reference: Trace,
+    alignment: Alignment,
+    partner: Mapping[int, int],
+    rejudge: Callable[[CallRecord, CallRecord, Pair], Row],
+) -> tuple[Row, CallRecord]:
+    """Pair ``row``'s reference call with ``found`` and compare them (the new row takes the old one's place)."""
+    pair = Pair(row.reference.key, found.key, "auto", 0.0)
+    _repaired(alignment, pair, reference)
+    new = rejudge(reference.call(pair.reference), found, pair)
+    new.note = "; ".join(filter(None, [row.note, f"re-paired with {found.path}, whose output is its value"]))
+    rows[rows.index(row)] = by_index[new.index] = new
+    if isinstance(partner, dict):
+        partner[new.index] = found.index
+    return new, found
+
+
+def _repairs_alike(
+    repaired: list[tuple[Row, CallRecord]],
+    rows: list[Row],
+    reference: Trace,
+    candidate: Trace,
+    alignment: Alignment,
+    partner: Mapping[int, int],
+) -> list[tuple[Row, CallRecord]]:
+    """For each repaired pair, the same reference module in other blocks (its path but for the numbers) left
+    unmatched: paired with the one call of the repaired call's class inside its parent's counterpart that no pair
+    holds and whose output is its value (a block whose wrong pair by order was never proposed)."""
+    found: list[tuple[Row, CallRecord]] = []
+    held = {pair.candidate for pair in alignment.pairs} | set(alignment.folded_candidate)
+    patterns = {re.sub(r"\d+", "#", row.path): (call.cls, row.tolerance) for row, call in repaired}
+    for row in rows:
+        cls, tolerance = patterns.get(re.sub(r"\d+", "#", row.path), (None, None))
+        home = partner.get(row.parent) if row.parent is not None else None
+        if cls is None or tolerance is None or row.status != "unmatched" or home is None:
+            continue
+        made = _value(reference, _first(reference.calls[row.index], "outputs"))
+        if made is None or not made.is_floating_point():
+            continue
+        margin = DIVERGENCE_MARGIN * max(tolerance.rtol, 1e-12)  # the repaired pair's (an unmatched row has none)
+        agreeing = []
+        for call in candidate.calls[home + 1 :][:REPAIR_SCOPE]:
+            if call.cls != cls or call.key in held or not _within(candidate, call, home):
+                continue
+            value = _value(candidate, _first(call, "outputs"))
+            agrees = value is not None and value.is_floating_point() and _fits(value, made)
+            if agrees and value is not None and _relative(in_layout(value, made.shape), made) <= margin:
+                agreeing.append(call)
+        if len(agreeing) == 1:
+            found.append((row, agreeing[0]))
+            held.add(agreeing[0].key)
+    return found
+
+
+def _within(trace: Trace, call: CallRecord, ancestor: int) -> bool:
+    parent = call.parent
+    while parent is not None and parent > ancestor:
+        parent = trace.calls[parent].parent
+    return parent == ancestor
+
+
+def _repaired(alignment: Alignment, pair: Pair, reference: Trace) -> None:
+    """Add ``pair`` to ``alignment`` (in reference order), both calls no longer unmatched."""
+    alignment.unmatched_reference.remove(pair.reference)
+    if pair.candidate in alignment.unmatched_candidate:
+        alignment.unmatched_candidate.remove(pair.candidate)
+    alignment.pairs.append(pair)
+    alignment.pairs.sort(key=lambda each: reference.call(each.reference).index)
 
 
 def _unpair(row: Row, pair: Pair, alignment: Alignment, other: CallRecord) -> None:
