@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import paritylab
+from paritylab.comparison.alignment import parse_rules
 
 X = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
 
@@ -132,6 +134,11 @@ def test_columns_in_another_order_compare_the_input_in_the_reference_order_and_a
     assert order is not None and sorted(order.indices) == list(range(16))
     head = clean.report.rows[[r.path for r in clean.report.rows].index("head")]
     assert head.input_metrics["rel_l2"] < 1e-6  # fed alike, once read in the reference's order
+    pinned = {rule.reference: rule for rule in parse_rules(yaml.safe_load(clean.report.alignment.to_yaml()))}
+    assert pinned["head"].candidate_input_order == order  # a frozen alignment keeps both orders, as orders
+    assert (
+        pinned["proj"].candidate_part == _pair_of(clean, "proj").candidate_part and pinned["proj"].candidate_part.whole
+    )
     candidate.head.register_forward_hook(lambda _m, _a, out: out * 1.01)
     bug = _check(tmp_path, reference, candidate, "bug")
     assert bug.verdict == "fail" and bug.report.first_divergence.path == "head"

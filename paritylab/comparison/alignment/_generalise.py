@@ -40,6 +40,7 @@ def _generalise(pairs: list[Pair]) -> list[Rule]:
             pair.candidate_part,
             None if pair.reference_input is None else pattern(_path(pair.reference_input)),
             None if pair.candidate_input is None else pattern(_path(pair.candidate_input)),
+            pair.candidate_input_part,
         )
         groups.setdefault(key, []).append(pair)
     by_reference_pattern: dict[str, int] = {}

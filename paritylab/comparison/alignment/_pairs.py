@@ -48,8 +48,8 @@ class Part:
         return slice(self.start, self.stop).indices(size)[:2]
 
     def to_yaml(self) -> dict[str, list[int | None]]:
-        if self.indices is not None:
-            return {"indices": list(self.indices)}
+        if self.indices is not None:  # a whole dimension in another order, or a fused module's interleaved part
+            return {"order" if self.whole else "indices": list(self.indices)}
         if self.index is not None:
             return {"chunk": [self.index, self.count]}
         return {"slice": [self.start, self.stop]}

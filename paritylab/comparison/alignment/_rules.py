@@ -32,6 +32,8 @@ class Rule:
     """For a module paired with a run of modules: the module whose input stands for this side's input (the
     run's first), a template filled like ``candidate``."""
     candidate_input: str | None = None
+    candidate_input_order: Part | None = None
+    """The reference's input features in the candidate's input (see :attr:`Pair.candidate_input_part`)."""
 
     def match(self, path: str) -> str | bool | None:
         """The candidate path for reference ``path``, ``None`` if deliberately unmatched, ``False`` if no match."""
@@ -70,6 +72,8 @@ class Rule:
                 data[f"{side}_{kind}"] = value
             if getattr(self, f"{side}_input") is not None:
                 data[f"{side}_input"] = getattr(self, f"{side}_input")
+        if self.candidate_input_order is not None and self.candidate_input_order.indices is not None:
+            data["candidate_input_order"] = list(self.candidate_input_order.indices)
         return data
 
 
@@ -90,11 +94,15 @@ def parse_rules(data: object) -> list[Rule]:
 def _rule(entry: object, position: int) -> Rule:
     if not isinstance(entry, Mapping) or "reference" not in entry or "candidate" not in entry:
         raise AlignmentError(f"rule #{position} needs 'reference' and 'candidate' keys (candidate may be null)")
-    known = {"reference", "candidate"} | {
-        f"{side}_{kind}"
-        for side in ("reference", "candidate")
-        for kind in ("index", "slice", "chunk", "indices", "input")
-    }
+    known = (
+        {"reference", "candidate"}
+        | {
+            f"{side}_{kind}"
+            for side in ("reference", "candidate")
+            for kind in ("index", "slice", "chunk", "indices", "order", "input")
+        }
+        | {"candidate_input_order"}
+    )
     unknown = set(entry) - known
     if unknown:
         raise AlignmentError(f"rule #{position} has unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
@@ -108,7 +116,17 @@ def _rule(entry: object, position: int) -> Rule:
         _part(entry, "candidate", position),
         _input(entry, "reference", position),
         _input(entry, "candidate", position),
+        _order(entry.get("candidate_input_order"), "candidate_input_order", position),
     )
+
+
+def _order(value: object, name: str, position: int) -> Part | None:
+    """A whole dimension in another order: where each reference feature sits on the candidate's side."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or sorted(value) != list(range(len(value))):
+        raise AlignmentError(f"rule #{position}: {name} must list the positions 0..n-1 in some order, got {value!r}")
+    return Part(indices=tuple(value), whole=True)
 
 
 def _input(entry: Mapping[str, Any], side: str, position: int) -> str | None:
@@ -119,6 +137,9 @@ def _input(entry: Mapping[str, Any], side: str, position: int) -> str | None:
 
 
 def _part(entry: Mapping[str, Any], side: str, position: int) -> Part | None:
+    order = _order(entry.get(f"{side}_order"), f"{side}_order", position)
+    if order is not None:
+        return order
     indices = entry.get(f"{side}_indices")
     if indices is not None:
         if not isinstance(indices, list) or not all(isinstance(i, int) and i >= 0 for i in indices):
@@ -187,5 +208,6 @@ def _by_rule(
             rule.candidate_part,
             ref_input,
             cand_input,
+            rule.candidate_input_order,
         )
     return False
