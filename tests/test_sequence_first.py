@@ -17,7 +17,7 @@ import paritylab
 from paritylab.comparison.alignment import shapes_fit, transposed
 from paritylab.tracing import storage
 from paritylab.tracing.tracefile import Trace
-from paritylab.tracing.tracer import TraceOptions, Tracer, trace_run
+from paritylab.tracing.tracer import TraceOptions, Tracer, _alike, trace_run
 
 
 class Output(nn.Module):
@@ -165,7 +165,7 @@ def test_an_output_changed_in_place_before_the_writer_reached_it_is_traced_again
 
 
 class ScaledInPlace(nn.Module):
-    """A projection whose output is scaled in place, then handed to a module (fair-esm's rotary embedding)."""
+    """A projection whose output is scaled in place, then handed to a module."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -199,3 +199,13 @@ def test_a_noise_bug_in_a_bf16_sequence_first_candidate_is_named_by_the_lifted_r
     candidate.layers[0].fc1.register_forward_hook(noisy)
     result = _check(tmp_path, reference, candidate, "bug", 2, torch.bfloat16)
     assert result.verdict == "fail" and result.report.first_divergence.path == "layers.0.up"
+
+
+def test_a_second_trace_copies_the_lost_output_s_module_in_every_block(tmp_path):
+    """fair-esm hands its scaled query on as a view (another tensor object), so the change is seen only where the
+    writer lost the value; the module of that kind in every other block is copied too: one more trace suffices."""
+    _, candidate = _pair()
+    with Tracer(candidate, tmp_path, TraceOptions(save_tensors=True, pending_bytes=0)) as trace:
+        candidate(torch.randn(2, 5, 8))
+    assert _alike(trace, {"layers.0.q_proj"}) == {"layers.0.q_proj", "layers.1.q_proj"}
+    assert _alike(trace, {"final"}) == {"final"}

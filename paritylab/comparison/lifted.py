@@ -61,6 +61,10 @@ class LiftedReplay:
     observers: frozenset[str] = frozenset()
     """Reference call keys of the pairs whose candidate module holds nothing (a hook point): judged only where
     the comparison found it handed its counterpart's output (``Row.observed``), the value being the proof."""
+    fed: frozenset[str] = frozenset()
+    """Reference call keys of the pairs whose candidate module computed from the reference's input (leaves with
+    the same weights): their output is their own code's whatever they were handed, which the rows still show
+    (a parent's code that handed them another value is found from that)."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
@@ -87,10 +91,17 @@ class LiftedReplay:
     def own_error(self, row: Row | None) -> str | None:
         """Why a lifted row shows an error in its module's own code, or ``None`` when it does not (or cannot
         tell: not compared, fed another value, or its code rounds to low precision itself)."""
-        if row is None or row.status != "compared" or not row.diverged or row.input_diverged:
+        if row is None or row.status != "compared" or not row.diverged:
+            return None
+        if row.reference.key in self.fed:  # it computed from the reference's own input
+            return None if self._rounds(row) else self._own_error(row)
+        if row.input_diverged:
             return None
         if self._rounds(row) or not (row.observed or self._fed_alike(row.reference.key)):
             return None  # an observed row's input agreed with its counterpart's output: checked there
+        return self._own_error(row)
+
+    def _own_error(self, row: Row) -> str:
         error = relative_error(row.metrics)
         size = f"{error:.2e} relative error" if error is not None else "NaN/Inf"
         return f"own code differs with the same {self.dtype} weights computed in float32: {size}"
@@ -99,7 +110,9 @@ class LiftedReplay:
         """The parent module's own code, between its children, gave ``row``'s module another floating-point
         input: that input differs while the parent (its weights the same) was fed alike and every paired module
         before was given its counterpart's value. ``row`` and ``parent`` are lifted rows."""
-        if row is None or parent is None or not (row.diverged and row.input_diverged) or not self._floating_input(row):
+        if row is None or parent is None or not row.input_diverged or not self._floating_input(row):
+            return False
+        if not (row.diverged or row.reference.key in self.fed):  # a fed module's output is its own code's alone
             return False
         return parent.status == "compared" and not parent.input_diverged and self._fed_alike(parent.reference.key)
 

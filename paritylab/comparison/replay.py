@@ -44,7 +44,7 @@ from paritylab.comparison.report import (
 )
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, trace_run
-from paritylab.tracing.values import iter_tensors
+from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
 
 @dataclasses.dataclass
@@ -62,18 +62,25 @@ def isolated_replay(
     alignment: Alignment,
     directory: str | Path | None = None,
     fingerprint: bool = False,
+    fed: Collection[str] = (),
 ) -> Trace:
     """Trace ``run(candidate)`` with every aligned output replaced by the reference's value.
 
     ``candidate_trace`` (the free-running candidate trace) tells which output slot each pair compares.
-    Pairs whose reference value was not saved, or whose shapes differ, are left as they are.
+    Pairs whose reference value was not saved, or whose shapes differ, are left as they are. ``fed`` (candidate
+    call keys): those calls also compute from the reference's value of their first input, whatever the code
+    before them made of it; the trace still records the input they were handed (the lifted replay: a module whose
+    input passes through code a cast rounded, such as a rotary table cached in bfloat16, is judged on its own).
     """
     options = TraceOptions(save_tensors=directory is not None, capture=None, fingerprint=fingerprint)
     replaced = 0
 
     def forced(model: nn.Module) -> None:
         nonlocal replaced
-        with teacher_forcing(model, reference, candidate_trace, alignment) as replaced:
+        with (
+            teacher_forcing(model, reference, candidate_trace, alignment) as replaced,
+            feeding(model, reference, candidate_trace, alignment, fed),
+        ):
             run(model)
 
     trace = trace_run(candidate, forced, Path(directory) if directory is not None else None, options).trace
@@ -107,6 +114,62 @@ def teacher_forcing(
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def feeding(
+    candidate: nn.Module, reference: Trace, candidate_trace: Trace, alignment: Alignment, fed: Collection[str]
+) -> Iterator[None]:
+    """While inside, each candidate call in ``fed`` computes from its counterpart's first input (the reference's
+    value, in the candidate's order of dimensions) instead of the one it was handed. Hooks registered before see
+    the input it was handed."""
+    plan: dict[str, list[_Replacement]] = {}
+    for pair in alignment.pairs:
+        if pair.candidate in fed and (found := fed_value(reference, candidate_trace, pair)) is not None:
+            plan[pair.candidate] = [found]
+    counts: dict[str, int] = {}
+    handles = [
+        module.register_forward_pre_hook(_feeder(path, counts, plan), with_kwargs=True)
+        for path, module in candidate.named_modules()
+        if plan and any(key.rsplit("#", 1)[0] == path for key in plan)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def fed_value(reference: Trace, candidate: Trace, pair: Pair) -> _Replacement | None:
+    """The reference's first input of a pair of whole modules, for the candidate's first input slot (in the
+    candidate's order of features, where its weight's columns say the order differs); ``None`` when there is none
+    to feed (a part of a fused module, a run of modules, an input that is not floating point)."""
+    if pair.reference_part or pair.candidate_part or pair.reference_input or pair.candidate_input:
+        return None
+    ref_call, cand_call = reference.call(pair.reference), candidate.call(pair.candidate)
+    ref_slot, cand_slot = first_tensor_slot(ref_call.inputs, "inputs"), first_tensor_slot(cand_call.inputs, "inputs")
+    if ref_slot is None or cand_slot is None:
+        return None
+    node = dict(iter_tensors(ref_call.inputs, "inputs")).get(ref_slot)
+    value = reference.tensor(node) if node is not None else None
+    if value is None or not value.is_floating_point():
+        return None
+    return _Replacement(cand_slot, value, pair.candidate_input_part)
+
+
+def _feeder(path: str, counts: dict[str, int], plan: Mapping[str, list[_Replacement]]) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        index = counts.get(path, 0)
+        counts[path] = index + 1
+        replacements = plan.get(f"{path}#{index}")
+        if not replacements:
+            return None
+        parts = replacements[0].slot.split(".")[1:]  # ["args", "0"] or ["kwargs", name]
+        if parts[0] == "args":
+            return replace_slot(args, parts[1:], replacements[0]), kwargs
+        return args, replace_slot(kwargs, parts[1:], replacements[0])
+
+    return hook
 
 
 def _inside(trace: Trace, key: str) -> set[str]:

@@ -27,7 +27,7 @@ from paritylab.comparison.lifted import (
     weightless,
     wide_twins,
 )
-from paritylab.comparison.replay import isolated_replay
+from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
@@ -83,7 +83,7 @@ def lift(
         ),
         lambda: isolated_replay(
             lifted_candidate(candidate, dtype), widened(candidate_call, dtype), traces[0], candidate_trace,
-            alignment, directory / "lifted-candidate",
+            alignment, directory / "lifted-candidate", fed=_fed_leaves(traces[0], candidate_trace, alignment, eligible),
         ),
     )  # fmt: skip
     for step, own_trace in zip(steps, (reference_trace, candidate_trace), strict=True):
@@ -100,7 +100,11 @@ def lift(
             notes.append(f"lifted replay skipped: {problem}")
         return None
     observers = weightless(candidate, candidate_trace, alignment, dtype)
-    lifted = LiftedReplay(str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers)
+    fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
+    forced = frozenset(pair.reference for pair in alignment.pairs if pair.candidate in fed)
+    lifted = LiftedReplay(
+        str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced
+    )
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())
     if differing >= max(SYSTEMIC_MODULES, SYSTEMIC_SHARE * len(rows)):
@@ -112,6 +116,23 @@ def lift(
             )
         return None
     return lifted
+
+
+def _fed_leaves(
+    reference_trace: Trace, candidate_trace: Trace, alignment: Alignment, eligible: frozenset[str]
+) -> frozenset[str]:
+    """Candidate call keys of the pairs with the same weights whose candidate module calls no other and has an
+    input to feed (:func:`~paritylab.comparison.replay.fed_value`): fed the reference's input in the lifted
+    replay, each is judged on its own code whatever the code before it made of its input in float32 (a rotary
+    table a cast rounded, cached by the low-precision run)."""
+    parents = {call.parent for call in candidate_trace.calls if call.parent is not None}
+    return frozenset(
+        pair.candidate
+        for pair in alignment.pairs
+        if pair.reference in eligible
+        and candidate_trace.call(pair.candidate).index not in parents
+        and fed_value(reference_trace, candidate_trace, pair) is not None
+    )
 
 
 LIFTED_MEMORY_SHARE = 0.8

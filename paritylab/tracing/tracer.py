@@ -11,12 +11,13 @@ import fnmatch
 import functools
 import os
 import platform
+import re
 import shutil
 import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -518,18 +519,29 @@ def trace_run(
     depends on how fast the writer was), ``run`` is traced once more into a fresh ``directory`` with those modules'
     outputs copied as they are recorded (:attr:`TraceOptions.snapshot`): no value is lost to the race, whichever
     way it goes. A forward that raises propagates at once."""
-    tracer = Tracer(model, directory, options)
-    with tracer:
-        run(model)
-    lost = lost_in_place(tracer.trace)
-    if not lost or directory is None:
-        return tracer
-    shutil.rmtree(directory, ignore_errors=True)  # this function's own output of a moment ago, redone whole
-    # every output seen changed, not only those the writer lost this time: the race may go the other way next
-    tracer = Tracer(model, directory, replace(options, snapshot=options.snapshot | lost | tracer.changed_outputs))
-    with tracer:
-        run(model)
+    for attempt in range(RETRACES + 1):
+        tracer = Tracer(model, directory, options)
+        with tracer:
+            run(model)
+        lost = lost_in_place(tracer.trace)
+        if not lost or directory is None or attempt == RETRACES:
+            return tracer
+        shutil.rmtree(directory, ignore_errors=True)  # this function's own output of a moment ago, redone whole
+        # every output seen changed, and every module of a lost one's kind in other blocks (the same path but for
+        # its numbers): whether the writer lost them this time, the race may go the other way next
+        alike = _alike(tracer.trace, lost | tracer.changed_outputs)
+        options = replace(options, snapshot=options.snapshot | lost | tracer.changed_outputs | alike)
     return tracer
+
+
+RETRACES = 2
+"""Traces again at most this many times when outputs changed in place were lost (each copies more of them)."""
+
+
+def _alike(trace: Trace, paths: Collection[str]) -> frozenset[str]:
+    """The traced paths equal to one of ``paths`` but for their numbers (the same module in other blocks)."""
+    patterns = {re.sub(r"\d+", "#", path) for path in paths}
+    return frozenset(call.path for call in trace.calls if re.sub(r"\d+", "#", call.path) in patterns)
 
 
 def lost_in_place(trace: Trace) -> frozenset[str]:
