@@ -128,10 +128,11 @@ def feeding(
         if pair.candidate in fed and (found := fed_value(reference, candidate_trace, pair)) is not None:
             plan[pair.candidate] = [found]
     counts: dict[str, int] = {}
+    paths = {key.rsplit("#", 1)[0] for key in plan}
     handles = [
         module.register_forward_pre_hook(_feeder(path, counts, plan), with_kwargs=True)
         for path, module in candidate.named_modules()
-        if plan and any(key.rsplit("#", 1)[0] == path for key in plan)
+        if path in paths
     ]
     try:
         yield

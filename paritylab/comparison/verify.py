@@ -406,9 +406,7 @@ def _repair(row: Row, wrong: Pair, reference: Trace, candidate: Trace, alignment
     beside = [call for call in candidate.calls if call.parent == around.parent and call is not around]
     found = []
     for other in (inside + beside)[:REPAIR_SCOPE]:
-        value = _value(candidate, _first(other, "outputs")) if other.key not in held else None
-        agrees = value is not None and value.is_floating_point() and _fits(value, made)
-        if agrees and value is not None and _relative(in_layout(value, made.shape), made) <= margin:
+        if other.key not in held and _makes(candidate, other, made, margin):
             found.append(other)
     return found[0] if len(found) == 1 else None
 
@@ -459,16 +457,21 @@ def _repairs_alike(
         margin = DIVERGENCE_MARGIN * max(tolerance.rtol, 1e-12)  # the repaired pair's (an unmatched row has none)
         agreeing = []
         for call in candidate.calls[home + 1 :][:REPAIR_SCOPE]:
-            if call.cls != cls or call.key in held or not _within(candidate, call, home):
-                continue
-            value = _value(candidate, _first(call, "outputs"))
-            agrees = value is not None and value.is_floating_point() and _fits(value, made)
-            if agrees and value is not None and _relative(in_layout(value, made.shape), made) <= margin:
+            alike = call.cls == cls and call.key not in held and _within(candidate, call, home)
+            if alike and _makes(candidate, call, made, margin):
                 agreeing.append(call)
         if len(agreeing) == 1:
             found.append((row, agreeing[0]))
             held.add(agreeing[0].key)
     return found
+
+
+def _makes(candidate: Trace, call: CallRecord, made: torch.Tensor, margin: float) -> bool:
+    """``call``'s first output is the reference value ``made`` to within ``margin`` (in its order of dimensions)."""
+    value = _value(candidate, _first(call, "outputs"))
+    if value is None or not value.is_floating_point() or not _fits(value, made):
+        return False
+    return _relative(in_layout(value, made.shape), made) <= margin
 
 
 def _within(trace: Trace, call: CallRecord, ancestor: int) -> bool:
