@@ -4,6 +4,7 @@
     python benchmarks/pairs.py --pairs gpt2 --dtypes float32 --sizes 0.01
     python benchmarks/pairs.py --seeds 8 --kinds                # clean pairs only, over 8 more weight seeds
     python benchmarks/pairs.py --pairs whisper --seed 2          # the planted table on other weights
+    python benchmarks/pairs.py --pairs esm --dtypes bfloat16 --sites layers.0.fc1   # plants at some sites only
 
 For each pair (``tests/pairs.py``) and candidate dtype, the clean candidate must pass; then an error is
 planted in the output of one candidate module at a time (scale, offset or noise of relative size 1e-2 or
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--sizes", nargs="*", type=float, default=[1e-2, 1e-3])
     parser.add_argument("--kinds", nargs="*", default=list(KINDS))
+    parser.add_argument("--sites", nargs="*", help="plant only at candidate modules whose path contains one of these")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--seeds", type=int, default=0, help="also run each clean pair with N other weight seeds")
     parser.add_argument("--seed", type=int, default=0, help="the weight seed of the planted table (0: the default)")
@@ -153,6 +155,8 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
     if row["clean"] != "pass":
         misses.append(f"{case.name} {row['dtype']} clean: {clean.first_divergence and clean.first_divergence.path}")
     for site, expected in case.sites.items():
+        if args.sites and not any(part in site for part in args.sites):
+            continue
         for kind in args.kinds:
             for size in args.sizes:
                 with planted(case.candidate, site, kind, size) as effect:

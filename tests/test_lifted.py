@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paritylab.comparison.lifted import lifts, same_weights, wide_twins
+from paritylab.comparison.lifted import Twins, lifts, same_weights, twins
 from paritylab.comparison.report import compare_traces
 from paritylab.run.lifting import configured_wide, lift, widened
 from paritylab.run.parity import check, converted_copy, trace_model
@@ -123,6 +123,65 @@ def test_norms_kept_in_float32_with_the_references_weights_are_lifted_and_a_bug_
     assert math.isclose(buggy.report.first_divergence.local["lifted_rel_l2"], 1e-3, rel_tol=0.05)
 
 
+class ShiftedNorm(nn.Module):
+    """A LayerNorm storing its scale minus one, multiplying by ``1 + g`` (x-transformers', Gemma's norms)."""
+
+    def __init__(self, norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.shape, self.eps = norm.normalized_shape, norm.eps
+        self.g = nn.Parameter(norm.weight.detach() - 1)
+        self.bias = nn.Parameter(norm.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.shape, 1 + self.g, self.bias, self.eps)
+
+
+def _shifted_norms(reference: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    candidate = converted_copy(reference, torch.float32)
+    for block in candidate.blocks:
+        block.norm = ShiftedNorm(block.norm)
+    return candidate.to(dtype)
+
+
+def test_norms_stored_minus_one_are_lifted_with_the_scale_the_candidate_computes_with(tmp_path):
+    """A norm stored as ``g = w - 1`` rounds to bf16 more finely than ``w``: the two sides' scales differ by
+    rounding, as much as a 0.1 % bug. The lifted reference holds ``g + 1``, what the candidate computes with,
+    so the norms are judged lifted: the clean candidate passes with its norms' code identical, and a x1.001
+    gain in one norm is named there."""
+    reference, _, x = _pair()
+    candidate = _shifted_norms(reference)
+    found = twins(reference, candidate, torch.bfloat16)
+    assert found.shifted == {id(block.norm.weight) for block in reference.blocks}
+    norm = reference.blocks[0].norm
+    assert torch.equal(found.given[id(norm.weight)], candidate.blocks[0].norm.g.float() + 1)
+    assert not torch.equal(found.given[id(norm.weight)], norm.weight.detach().bfloat16().float())  # finer
+    calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
+    clean = check(reference, candidate, tmp_path / "clean", **calls)
+    assert clean.passed, clean.report.first_divergence
+    lifted = {row.path: row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local}
+    assert {"blocks.0.norm", "blocks.1.norm", "blocks.0", "blocks.1", ""} <= set(lifted)
+    assert max(lifted.values()) < 1e-6
+    _scaled(candidate.blocks[1].norm, 1.001)
+    buggy = check(reference, candidate, tmp_path / "buggy", **calls)
+    assert not buggy.passed and buggy.report.first_divergence.path == "blocks.1.norm"
+    assert math.isclose(buggy.report.first_divergence.local["lifted_rel_l2"], 1e-3, rel_tol=0.05)
+
+
+def test_a_norm_of_ones_beside_a_bias_of_zeros_is_no_shift():
+    """Untrained norms: weight ones, bias zeros. The candidate's zeros are the reference's bias, not its ones
+    shifted, since the candidate holds the ones too: nothing is shifted, nothing given. A norm of ones that
+    the candidate stores as zeros, with no bias to explain them, is shifted (and gives ones: the same)."""
+    torch.manual_seed(0)
+    reference = Tower().eval()
+    assert twins(reference, converted_copy(reference, torch.bfloat16), torch.bfloat16) == Twins()
+    rms = nn.Sequential(nn.Linear(8, 16, bias=False), nn.RMSNorm(16), nn.Linear(16, 4, bias=False))
+    shifted = converted_copy(rms, torch.bfloat16)
+    with torch.no_grad():
+        shifted[1].weight.zero_()  # as a norm multiplying by 1 + weight would hold it
+    found = twins(rms, shifted, torch.bfloat16)
+    assert found.shifted == {id(rms[1].weight)} and torch.equal(found.given[id(rms[1].weight)], torch.ones(16))
+
+
 def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
     """Only pairs whose weights are provably the same are judged lifted: a norm the candidate keeps in float32
     with values no reference parameter holds (exactly or rounded), and a table a cast rounded (a rotary
@@ -143,7 +202,7 @@ def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
     assert not {"blocks.0.norm", "blocks.0", "blocks.1", ""} & paths  # they hold, or sit above, either
     assert "blocks.1.up" in paths  # a mask of 0, -inf, 1 and 1/8 survives any cast
     assert {"inp", "blocks.0.up", "blocks.0.act", "blocks.0.down", "blocks.1.norm", "head"} <= paths
-    assert wide_twins(reference, candidate, torch.bfloat16)[0] == frozenset()  # rounded twins need no exception
+    assert twins(reference, candidate, torch.bfloat16).given == {}  # rounded twins need no exception
     assert lifts(reference, candidate) == torch.bfloat16
     assert lifts(reference, converted_copy(reference, torch.float64)) is None  # nothing in low precision
     assert lifts(candidate, reference) is None  # the reference in low precision: nothing to lift

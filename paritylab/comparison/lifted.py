@@ -14,7 +14,8 @@ That only holds where the weights are provably the same, so a module is judged t
 - its subtree's parameters and its counterpart's, rounded to the candidate's precision, have the same
   fingerprint (:mod:`paritylab.tracing.structure`: the same values, whatever the layout or fusion), and the
   candidate's parameters there are all in that precision, or kept wider with values a reference parameter
-  provably holds (a norm kept in float32: its twin is then left unrounded in the lifted reference);
+  provably holds (a norm kept in float32: its twin is then left unrounded in the lifted reference), or hold a
+  norm's scale minus one (``g = w - 1``: its twin then holds ``g + 1`` in the lifted reference);
 - its subtree holds no other floating-point tensor that rounding may have changed (a rotary table or inverse
   frequencies cast with the model; integers, powers of two and mask fills survive any cast);
 - for a fused module paired by parts (one qkv against q, k and v) or a module paired with a run of modules
@@ -170,8 +171,9 @@ def same_weights(
     """Reference call keys of the pairs whose two modules hold the same weights once the reference's are
     rounded to ``dtype`` (see the module's text for the conditions)."""
     grid = "fp16" if dtype == torch.float16 else "bf16"
-    prints = (fingerprint(reference, grid), fingerprint(candidate, grid))
-    unsafe = _rounded_state(candidate, dtype, wide_twins(reference, candidate, dtype)[1])
+    found = twins(reference, candidate, dtype)
+    prints = (_shifted_prints(fingerprint(reference, grid), reference, found.shifted), fingerprint(candidate, grid))
+    unsafe = _rounded_state(candidate, dtype, found.proven)
     eligible = set()
     for pair in alignment.pairs:
         ref_calls, cand_calls = (
@@ -235,31 +237,95 @@ def _weights(prints: dict[str, ModulePrint], calls: list[CallRecord]) -> tuple[i
     return digest, sum(item.numel for item in found if item is not None)
 
 
-def wide_twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> tuple[frozenset[int], frozenset[int]]:
-    """The candidate's parameters kept wider than ``dtype`` (norms held in float32 inside a bfloat16 model) whose
-    values a reference parameter provably holds: ``(ids of the reference parameters the lifted reference must
-    leave unrounded, ids of those candidate parameters)``. A wide parameter holding the reference's exact values
-    keeps its twin unrounded; one holding its rounded values (a norm cast and then widened) needs nothing; one
-    matching neither is not proven, and its module is not lifted."""
-    wide = [p for p in unwrap(candidate).parameters() if p.is_floating_point() and p.dtype != dtype]
-    if not wide:
-        return frozenset(), frozenset()
-    sizes = {p.numel() for p in wide}
-    exact: dict[tuple[object, ...], int] = {}
-    rounded: set[tuple[object, ...]] = set()
+@dataclass(frozen=True)
+class Twins:
+    """Candidate parameters that hold a reference parameter's values otherwise than rounded to the candidate's
+    precision, proven from the values (:func:`twins`)."""
+
+    given: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id of a reference parameter -> the value the lifted reference holds instead of its rounded one: its exact
+    value where the candidate keeps it wider, or the candidate's ``g`` plus one where the candidate stores a norm's
+    scale as ``g = w - 1`` (x-transformers' and Gemma's norms multiply by ``1 + g``, and ``g`` rounds finer than
+    ``w``): both lifted sides then compute with the very same scale."""
+    shifted: frozenset[int] = frozenset()
+    """ids of the reference parameters the candidate stores minus one: fingerprinted as :attr:`ParamPrint.shifted`
+    when the two sides' weights are compared."""
+    proven: frozenset[int] = frozenset()
+    """ids of the candidate's parameters kept wider than its precision whose values are proven (not state a cast
+    rounded)."""
+
+
+def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twins:
+    """The candidate's parameters kept wider than ``dtype`` (norms held in float32 inside a bfloat16 model), or
+    stored as a reference parameter minus one, whose values a reference parameter provably holds (see
+    :class:`Twins`). A wide parameter holding the reference's exact values keeps its twin unrounded; one holding
+    its rounded values (a norm cast and then widened) needs nothing; one matching neither is not proven, and its
+    module is not lifted."""
+    params = [p for p in unwrap(candidate).parameters() if p.is_floating_point()]
+    wide = [p for p in params if p.dtype != dtype]
+    flat = [p for p in params if p.dim() == 1]  # a norm's scale
+    sizes = {p.numel() for p in (*wide, *flat)}
+    exact: dict[tuple[object, ...], nn.Parameter] = {}
+    rounded: dict[tuple[object, ...], tuple[object, ...]] = {}  # rounded values -> exact values
+    minus_one: dict[tuple[object, ...], nn.Parameter] = {}
+    widths = {p.dtype for p in flat}
     for param in unwrap(reference).parameters():
-        if param.is_floating_point() and param.numel() in sizes:
-            exact.setdefault(_values_key(param), id(param))
-            rounded.add(_values_key(param.detach().to(dtype)))
-    keep, proven = set(), set()
-    for param in wide:
-        key = _values_key(param)
-        if key in exact:
-            keep.add(exact[key])
+        if not param.is_floating_point() or param.numel() not in sizes:
+            continue
+        exact.setdefault(_values_key(param), param)
+        rounded.setdefault(_values_key(param.detach().to(dtype)), _values_key(param))
+        if param.dim() == 1:
+            for width in widths:
+                minus_one.setdefault(_values_key((param.detach().to(LIFTED_DTYPE) - 1).to(width)), param)
+    keys = {id(param): _values_key(param) for param in params}
+    held = set(keys.values())
+    given: dict[int, torch.Tensor] = {}
+    shifted, proven = set(), set()
+    for param in params:
+        key = keys[id(param)]
+        if param.dtype != dtype and key in exact:
+            given[id(exact[key])] = exact[key].detach()
             proven.add(id(param))
-        elif key in rounded:
+        elif param.dtype != dtype and key in rounded:
             proven.add(id(param))
-    return frozenset(keep), frozenset(proven)
+        elif param.dim() == 1 and key in minus_one and key not in rounded and not _held(minus_one[key], dtype, held):
+            # only a shift explains these values: no reference parameter holds them, and the candidate does not
+            # hold the reference's own (zeros are a norm of ones shifted, or an unshifted bias: the second wins)
+            twin = minus_one[key]
+            given[id(twin)] = param.detach().to(LIFTED_DTYPE) + 1
+            shifted.add(id(twin))
+            proven.add(id(param))
+    return Twins(given, frozenset(shifted), frozenset(proven))
+
+
+def _held(param: torch.Tensor, dtype: torch.dtype, held: set[tuple[object, ...]]) -> bool:
+    """The candidate holds ``param``'s values, exact or rounded to ``dtype``."""
+    return _values_key(param) in held or _values_key(param.detach().to(dtype)) in held
+
+
+def _shifted_prints(
+    prints: dict[str, ModulePrint], model: nn.Module, shifted: frozenset[int]
+) -> dict[str, ModulePrint]:
+    """``prints`` with the ``shifted`` parameters counted by their values minus one (:attr:`ParamPrint.shifted`),
+    as the candidate stores them: a parameter of ones shifts to zeros, which no fingerprint counts."""
+    if not shifted:
+        return prints
+    found: dict[int, tuple[int, int, int]] = {}  # id -> (digest, shifted digest, size)
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in shifted:
+                own = next((p for p in prints[path].params if p.name == name), None)
+                if own is not None:
+                    found[id(param)] = (own.digest, own.shifted, param.numel())
+    result = dict(prints)
+    for path, module in model.named_modules():
+        moved = [found[id(p)] for p in module.parameters() if id(p) in found]
+        if moved:
+            before = prints[path]
+            digest = (before.digest + sum(after - was for was, after, _ in moved)) & MASK
+            numel = before.numel - sum(size for _, after, size in moved if not after)
+            result[path] = ModulePrint(before.path, digest if numel else 0, numel, before.params)
+    return result
 
 
 def _values_key(tensor: torch.Tensor) -> tuple[object, ...]:
@@ -272,7 +338,7 @@ def _values_key(tensor: torch.Tensor) -> tuple[object, ...]:
 
 def _rounded_state(model: nn.Module, dtype: torch.dtype, proven: frozenset[int] = frozenset()) -> set[str]:
     """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype`` (unless ``proven``:
-    see :func:`wide_twins`), or another floating-point tensor (buffer or attribute) whose values a cast may have
+    see :func:`twins`), or another floating-point tensor (buffer or attribute) whose values a cast may have
     rounded."""
     flagged = []
     for path, module in model.named_modules():

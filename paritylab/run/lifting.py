@@ -23,9 +23,9 @@ from paritylab.comparison.lifted import (
     LiftedReplay,
     lifts,
     same_weights,
+    twins,
     unwrap,
     weightless,
-    wide_twins,
 )
 from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.run.resident import available_memory, converted_copy
@@ -152,9 +152,10 @@ code differing is taken for a precision the copy could not lift, not for bugs, a
 
 def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Module | None = None) -> nn.Module:
     """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are), except
-    those whose exact values ``candidate`` keeps wider (:func:`~paritylab.comparison.lifted.wide_twins`)."""
-    unrounded = wide_twins(reference, candidate, dtype)[0] if candidate is not None else frozenset()
-    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, unrounded=unrounded)
+    those ``candidate`` provably holds otherwise (:func:`~paritylab.comparison.lifted.twins`: kept wider, or
+    stored minus one), which hold what the candidate computes with."""
+    given = twins(reference, candidate, dtype).given if candidate is not None else None
+    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=given)
 
 
 def lifted_candidate(candidate: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -15,6 +15,7 @@ import copy
 import ctypes
 import gc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,21 +134,23 @@ def converted_copy(
     dtype: torch.dtype,
     device: torch.device | str | None = None,
     rounded_to: torch.dtype | None = None,
-    unrounded: frozenset[int] = frozenset(),
+    given: Mapping[int, torch.Tensor] | None = None,
 ) -> nn.Module:
     """``copy.deepcopy(model).to(device, dtype)`` without the intermediate full-precision copy: floating-point
     parameters and buffers are converted straight from the original, so peak memory is the converted model.
 
     ``rounded_to``: floating-point parameters (not buffers) are first rounded to that dtype, so the copy
-    computes in ``dtype`` with the weights a cast to ``rounded_to`` would hold; except the parameters whose
-    ``id`` is in ``unrounded`` (those a low-precision candidate keeps wider, with these very values)."""
+    computes in ``dtype`` with the weights a cast to ``rounded_to`` would hold. ``given``: ``id`` of a parameter
+    -> the values its copy holds instead (converted to ``dtype``, not rounded): what a low-precision candidate
+    provably computes with there (:class:`~paritylab.comparison.lifted.Twins`)."""
     memo: dict[int, Any] = {}
+    given = given or {}
     for tensor, places in tensor_slots(model).values():
         if all(slot.kind == "attribute" for slot in places):
             continue  # like Module.to: plain tensor attributes are copied as they are
         target = dtype if tensor.is_floating_point() else tensor.dtype
-        source = tensor.detach()
-        rounds = rounded_to is not None and id(tensor) not in unrounded
+        source = given.get(id(tensor), tensor).detach()
+        rounds = rounded_to is not None and id(tensor) not in given
         if rounds and isinstance(tensor, nn.Parameter) and tensor.is_floating_point():
             source = source.to(device=device or tensor.device, dtype=rounded_to)
         converted = source.to(device=device or tensor.device, dtype=target, copy=True)
