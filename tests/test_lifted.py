@@ -182,6 +182,81 @@ def test_a_norm_of_ones_beside_a_bias_of_zeros_is_no_shift():
     assert found.shifted == {id(rms[1].weight)} and torch.equal(found.given[id(rms[1].weight)], torch.ones(16))
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class Rotary(nn.Module):
+    """Rotary angles of positions from an ``inv_freq`` buffer (a cast rounds it); their cosine and sine
+    (``tables``) as transformers' rotary modules give them, else the angles as x-transformers' does."""
+
+    def __init__(self, width: int, tables: bool) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width)))
+        self.tables = tables
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        angles = torch.outer(positions, self.inv_freq.to(positions.dtype))
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos(), angles.sin()) if self.tables else (angles,)
+
+
+class Attention(nn.Module):
+    """One head, rotary: given cos and sin, or the angles to take them of."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary if len(rotary) == 2 else (rotary[0].cos(), rotary[0].sin())
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        q, k = _rotate(self.q(x), cos, sin), _rotate(self.k(x), cos, sin)
+        return x + self.o(F.scaled_dot_product_attention(q, k, self.v(x), is_causal=True))
+
+
+class RotaryTower(nn.Module):
+    """The reference's rotary module makes cos and sin once; the candidate's (``angles``) the angles, each
+    attention taking cos and sin itself, as x-transformers does."""
+
+    def __init__(self, width: int = 16, angles: bool = False) -> None:
+        super().__init__()
+        self.rotary = Rotary(width, tables=not angles)
+        self.blocks = nn.ModuleList(Attention(width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rotary = self.rotary(torch.arange(x.shape[1], dtype=torch.float32))
+        for block in self.blocks:
+            x = block(x, *rotary)
+        return x
+
+
+def test_a_buffer_a_cast_rounded_is_restored_and_angles_made_from_it_are_the_candidates_own(tmp_path):
+    """The candidate's ``inv_freq`` rounded by the cast is the rounding of the reference's: the lifted candidate
+    holds the reference's values again. The angles it makes from positions alone have no counterpart (the
+    reference hands on cos and sin), yet they are what the candidate computes in float32, so each attention is
+    judged lifted: the clean candidate passes, a x1.001 gain in one attention is named there."""
+    torch.manual_seed(0)
+    reference = RotaryTower().eval()
+    candidate = RotaryTower(angles=True).eval()
+    candidate.load_state_dict(reference.state_dict())
+    candidate = candidate.to(torch.bfloat16)
+    found = twins(reference, candidate, torch.bfloat16)
+    assert list(found.restored) == [id(candidate.rotary.inv_freq)]
+    assert torch.equal(found.restored[id(candidate.rotary.inv_freq)], reference.rotary.inv_freq)
+    x = torch.randn(1, 12, 16)
+    calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
+    clean = check(reference, candidate, tmp_path / "clean", **calls)
+    assert clean.passed, clean.report.first_divergence
+    lifted = {row.path: row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local}
+    assert {"blocks.0", "blocks.1"} <= set(lifted) and max(lifted.values()) < 1e-6
+    _scaled(candidate.blocks[1], 1.001)
+    buggy = check(reference, candidate, tmp_path / "buggy", **calls)
+    assert not buggy.passed and buggy.report.first_divergence.path == "blocks.1"
+    assert math.isclose(buggy.report.first_divergence.local["lifted_rel_l2"], 1e-3, rel_tol=0.1)
+
+
 def test_weights_kept_wider_or_state_a_cast_rounded_are_not_lifted(tmp_path):
     """Only pairs whose weights are provably the same are judged lifted: a norm the candidate keeps in float32
     with values no reference parameter holds (exactly or rounded), and a table a cast rounded (a rotary

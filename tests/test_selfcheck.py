@@ -124,6 +124,29 @@ def test_a_pair_by_order_whose_users_do_not_feel_its_difference_is_undone(tmp_pa
         assert result.verdict == "fail" and result.report.first_divergence.path == planted
 
 
+@pytest.mark.parametrize("planted", [None, "blocks.1"])
+def test_a_pair_by_path_whose_users_do_not_feel_its_difference_is_undone(tmp_path, planted):
+    """A port that kept the original's module names: its ``rotary`` returns the angles where the reference's
+    returns their cosine and sine. Paired by the equal path, they differ by O(1) while the attention that uses
+    them agrees: not one computation, undone with a note, so the clean port passes (it failed, naming
+    ``rotary``), and a bug elsewhere is still named where it is."""
+    from tests.test_lifted import RotaryTower
+
+    torch.manual_seed(0)
+    reference, candidate = RotaryTower().eval(), RotaryTower(angles=True).eval()
+    candidate.load_state_dict(reference.state_dict())
+    if planted:
+        candidate.get_submodule(planted).register_forward_hook(lambda _m, _a, out: out * 1.01)
+    x = torch.randn(1, 12, 16)
+    result = paritylab.check(reference, candidate, tmp_path / (planted or "clean"), reference_call=lambda m: m(x))
+    row = next(r for r in result.report.rows if r.path == "rotary")
+    assert row.status == "unmatched" and "paired by its path only" in row.note and "blocks.0, which uses it" in row.note
+    if planted is None:
+        assert result.verdict == "pass", result.report.first_divergence
+    else:
+        assert result.verdict == "fail" and result.report.first_divergence.path == planted
+
+
 def test_columns_in_another_order_compare_the_input_in_the_reference_order_and_a_bug_there_is_named(tmp_path):
     """The head reads the projection's features in the candidate's order (its weight's columns permuted to match):
     what it is fed is compared in the reference's order, so a bug in the head is the head's, not its parent's."""

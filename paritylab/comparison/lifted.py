@@ -66,6 +66,10 @@ class LiftedReplay:
     """Reference call keys of the pairs whose candidate module computed from the reference's input (leaves with
     the same weights): their output is their own code's whatever they were handed, which the rows still show
     (a parent's code that handed them another value is found from that)."""
+    sources: frozenset[str] = frozenset()
+    """Candidate module paths that hold no parameter and no state a cast rounded (:func:`exact_sources`): a value
+    such a module made from positions or other cast-proof inputs alone (rotary frequencies computed once and
+    handed to every attention) is the one the candidate computes in float32, counterpart or none."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
@@ -125,15 +129,27 @@ class LiftedReplay:
         pair = next(pair for pair in self.alignment.pairs if pair.reference == key)
         received = _floating_inputs(self.reference, pair.reference_input or pair.reference)
         order = pair.candidate_input_part  # input features in another order (its weight's columns say so)
-        for value in _floating_inputs(self.candidate, pair.candidate_input or pair.candidate):
+        for node, value in _floating_nodes(self.candidate, pair.candidate_input or pair.candidate):
             if _cast_proof(value):
                 continue  # a mask or an index-like table: what each side chose to build
             readings = [value]
             if order is not None and order.indices is not None and value.shape[-1] == len(order.indices):
                 readings.append(order.select(value))
-            if not any(_same_values(reading, other) for reading in readings for other in received):
+            alike = any(_same_values(reading, other) for reading in readings for other in received)
+            if not alike and not self._exact(node):
                 return False
         return True
+
+    def _exact(self, node: dict[str, object]) -> bool:
+        """The value was made in the lifted replay by a module of :attr:`sources` from cast-proof inputs alone."""
+        origin = node.get("from")
+        if not isinstance(origin, int) or not 0 <= origin < len(self.candidate.calls):
+            return False
+        call = self.candidate.calls[origin]
+        if call.path not in self.sources:
+            return False
+        made = (self.candidate.tensor(n) for _, n in iter_tensors(call.inputs, "inputs"))
+        return all(v is not None and (not v.is_floating_point() or _cast_proof(v)) for v in made)
 
     def _floating_input(self, row: Row) -> bool:
         node = next((node for _, node in iter_tensors(self.reference.calls[row.input_call].inputs, "inputs")), None)
@@ -251,8 +267,11 @@ class Twins:
     """ids of the reference parameters the candidate stores minus one: fingerprinted as :attr:`ParamPrint.shifted`
     when the two sides' weights are compared."""
     proven: frozenset[int] = frozenset()
-    """ids of the candidate's parameters kept wider than its precision whose values are proven (not state a cast
-    rounded)."""
+    """ids of the candidate's parameters kept wider than its precision, and of its buffers a cast rounded, whose
+    values are proven (not state a cast rounded, or restored)."""
+    restored: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id of a candidate buffer a cast rounded (a rotary ``inv_freq``) -> the reference buffer it is the rounding
+    of: the lifted candidate holds that buffer's values, as it did before the cast."""
 
 
 def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twins:
@@ -295,7 +314,24 @@ def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twi
             given[id(twin)] = param.detach().to(LIFTED_DTYPE) + 1
             shifted.add(id(twin))
             proven.add(id(param))
-    return Twins(given, frozenset(shifted), frozenset(proven))
+    restored = _rounded_buffers(reference, candidate, dtype)
+    return Twins(given, frozenset(shifted), frozenset(proven | set(restored)), restored)
+
+
+def _rounded_buffers(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """The candidate's ``dtype`` buffers whose values a cast rounded (:func:`_cast_proof`), each the rounding of a
+    wider reference buffer of its shape: candidate buffer id -> that reference buffer."""
+    rounded = [
+        b for b in unwrap(candidate).buffers() if b.is_floating_point() and b.dtype == dtype and not _cast_proof(b)
+    ]
+    if not rounded:
+        return {}
+    shapes = {tuple(b.shape) for b in rounded}
+    wide: dict[tuple[object, ...], torch.Tensor] = {}
+    for buffer in unwrap(reference).buffers():
+        if buffer.is_floating_point() and buffer.dtype != dtype and tuple(buffer.shape) in shapes:
+            wide.setdefault(_values_key(buffer.detach().to(dtype)), buffer.detach())
+    return {id(b): wide[key] for b in rounded if (key := _values_key(b)) in wide}
 
 
 def _held(param: torch.Tensor, dtype: torch.dtype, held: set[tuple[object, ...]]) -> bool:
@@ -344,7 +380,7 @@ def _rounded_state(model: nn.Module, dtype: torch.dtype, proven: frozenset[int] 
     for path, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
         params = [p for p in params if id(p) not in proven]
-        others = [b for b in module.buffers(recurse=False) if b is not None]
+        others = [b for b in module.buffers(recurse=False) if b is not None and id(b) not in proven]
         others += [v for v in vars(module).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
         if params or any(t.is_floating_point() and not _cast_proof(t) for t in others):
             flagged.append(path)
@@ -357,8 +393,24 @@ def _within(path: str, ancestor: str) -> bool:
 
 
 def _floating_inputs(trace: Trace, key: str) -> list[torch.Tensor]:
-    values = (trace.tensor(node) for _, node in iter_tensors(trace.call(key).inputs, "inputs"))
-    return [value for value in values if value is not None and value.is_floating_point()]
+    return [value for _, value in _floating_nodes(trace, key)]
+
+
+def _floating_nodes(trace: Trace, key: str) -> list[tuple[dict[str, object], torch.Tensor]]:
+    nodes = (node for _, node in iter_tensors(trace.call(key).inputs, "inputs"))
+    found = ((node, trace.tensor(node)) for node in nodes)
+    return [(node, value) for node, value in found if value is not None and value.is_floating_point()]
+
+
+def exact_sources(candidate: nn.Module, proven: frozenset[int], dtype: torch.dtype) -> frozenset[str]:
+    """Paths of the candidate's modules whose subtree holds no parameter and no state a cast rounded (buffers
+    restored from the reference excepted: ``proven``, :attr:`Twins.proven`): see :attr:`LiftedReplay.sources`."""
+    unsafe = _rounded_state(candidate, dtype, proven)
+    return frozenset(
+        path
+        for path, module in unwrap(candidate).named_modules()
+        if path not in unsafe and next(module.parameters(), None) is None
+    )
 
 
 def _same_values(value: torch.Tensor, other: torch.Tensor) -> bool:

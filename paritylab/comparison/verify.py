@@ -150,7 +150,8 @@ def _refuted(
     by_index: Mapping[int, Row],
     passing: set[str],
 ) -> list[tuple[Row, Pair, str]]:
-    """Pairs proposed by order and shape alone (``auto``) that the traces refute, ``(row, pair, why)`` for each
+    """Pairs proposed by order and shape alone (``auto``), or by equal paths alone (``identity``: a port that kept
+    the original's names for modules computing something else), that the traces refute, ``(row, pair, why)`` for each
     (nothing is changed here). Observers (a class whose other calls hand their input on) are left to the checks
     below, which know what they observe.
 
@@ -165,8 +166,12 @@ def _refuted(
     proposed: list[tuple[Row, Pair, CallRecord]] = []
     for row in rows:
         pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
-        if pair is None or pair.source != "auto" or not _whole(pair):
-            continue  # weights or equal paths proposed it: the same model's modules, checked by their values
+        if pair is None or not _whole(pair):
+            continue
+        if pair.source == "identity" and not (row.diverged and (row.rel_l2 or 0.0) >= REFUTED_ERROR):
+            continue  # equal paths and values that agree: nothing to doubt (a port keeping the original's names)
+        if pair.source not in ("auto", "identity"):
+            continue  # equal weights proposed it: the same computation, checked by its values
         other = candidate.call(pair.candidate)
         if other.cls not in passing:
             proposed.append((row, pair, other))
@@ -185,7 +190,7 @@ def _refuted(
     for row, pair, other in proposed:
         outside = _paired_outside(row.index, other.index, reference, partners, ours, inside)
         if outside is not None:
-            found[row.index] = (row, pair, f"paired by order and shape only, but {outside}: not one computation")
+            found[row.index] = (row, pair, f"{_proposed(pair)}, but {outside}: not one computation")
             continue
         error = row.rel_l2
         if error is not None and error >= REFUTED_ERROR and row.diverged:
@@ -196,15 +201,19 @@ def _refuted(
         witness = _agreeing_user(row, users, by_index, error)
         if witness is None:
             continue
-        why = f"paired by order and shape only, its output differs by {error:.3g} while {witness} does not"
+        why = f"{_proposed(pair)}, its output differs by {error:.3g} while {witness} does not"
         found[row.index] = (row, pair, why + ": not one computation")
         witnessed[_pattern(pair)] = witness
     for row, pair, error in suspects:
         witness = witnessed.get(_pattern(pair))
         if row.index not in found and witness is not None:
-            why = f"paired by order and shape only, its output differs by {error:.3g}, as the same pair in "
+            why = f"{_proposed(pair)}, its output differs by {error:.3g}, as the same pair in "
             found[row.index] = (row, pair, why + f"another block does while {witness} does not: not one computation")
     return [found[index] for index in sorted(found)]
+
+
+def _proposed(pair: Pair) -> str:
+    return "paired by its path only" if pair.source == "identity" else "paired by order and shape only"
 
 
 def _descendants(trace: Trace) -> dict[int, set[int]]:

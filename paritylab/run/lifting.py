@@ -21,6 +21,7 @@ from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.lifted import (
     LIFTED_DTYPE,
     LiftedReplay,
+    exact_sources,
     lifts,
     same_weights,
     twins,
@@ -82,7 +83,7 @@ def lift(
             directory / "lifted-reference",
         ),
         lambda: isolated_replay(
-            lifted_candidate(candidate, dtype), widened(candidate_call, dtype), traces[0], candidate_trace,
+            lifted_candidate(candidate, dtype, reference), widened(candidate_call, dtype), traces[0], candidate_trace,
             alignment, directory / "lifted-candidate", fed=_fed_leaves(traces[0], candidate_trace, alignment, eligible),
         ),
     )  # fmt: skip
@@ -102,8 +103,9 @@ def lift(
     observers = weightless(candidate, candidate_trace, alignment, dtype)
     fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
     forced = frozenset(pair.reference for pair in alignment.pairs if pair.candidate in fed)
+    sources = exact_sources(candidate, twins(reference, candidate, dtype).proven, dtype)
     lifted = LiftedReplay(
-        str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced
+        str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources
     )
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())
@@ -158,9 +160,12 @@ def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Mod
     return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=given)
 
 
-def lifted_candidate(candidate: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too."""
-    return configured_wide(converted_copy(unwrap(candidate), LIFTED_DTYPE), dtype)
+def lifted_candidate(candidate: nn.Module, dtype: torch.dtype, reference: nn.Module | None = None) -> nn.Module:
+    """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too, and
+    the buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
+    lifted.Twins.restored`) holding those values again."""
+    restored = twins(reference, candidate, dtype).restored if reference is not None else None
+    return configured_wide(converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored), dtype)
 
 
 def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -582,7 +582,10 @@ class _Session:
         reference, candidate = reference.to(self.device), candidate.to(self.device)
         if lifted is not None and first.local.get("lifted_diverged"):
             low = getattr(torch, lifted.dtype)
-            reference, candidate = lifted_reference(reference, low, candidate), lifted_candidate(candidate, low)
+            reference, candidate = (
+                lifted_reference(reference, low, candidate),
+                lifted_candidate(candidate, low, reference),
+            )
             ref_run, cand_run, forced_on = widened(ref_run, low), widened(cand_run, low), lifted.reference
             dtype, own = "float32", first.local.get("lifted_rel_l2", own)
             self.notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")
