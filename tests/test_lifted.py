@@ -202,6 +202,10 @@ class Rotary(nn.Module):
         return (angles.cos(), angles.sin()) if self.tables else (angles,)
 
 
+class Angles(Rotary):
+    """The port's own rotary module (another class), kept under the original's name."""
+
+
 class Attention(nn.Module):
     """One head, rotary: given cos and sin, or the angles to take them of."""
 
@@ -222,7 +226,7 @@ class RotaryTower(nn.Module):
 
     def __init__(self, width: int = 16, angles: bool = False) -> None:
         super().__init__()
-        self.rotary = Rotary(width, tables=not angles)
+        self.rotary = Angles(width, tables=False) if angles else Rotary(width, tables=True)
         self.blocks = nn.ModuleList(Attention(width) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -126,10 +126,11 @@ def test_a_pair_by_order_whose_users_do_not_feel_its_difference_is_undone(tmp_pa
 
 @pytest.mark.parametrize("planted", [None, "blocks.1"])
 def test_a_pair_by_path_whose_users_do_not_feel_its_difference_is_undone(tmp_path, planted):
-    """A port that kept the original's module names: its ``rotary`` returns the angles where the reference's
-    returns their cosine and sine. Paired by the equal path, they differ by O(1) while the attention that uses
-    them agrees: not one computation, undone with a note, so the clean port passes (it failed, naming
-    ``rotary``), and a bug elsewhere is still named where it is."""
+    """A port that kept the original's module names: its ``rotary``, of its own class, returns the angles where
+    the reference's returns their cosine and sine. Paired by the equal path, they differ by O(1) while the
+    attention that uses them agrees: not one computation, undone with a note, so the clean port passes (it
+    failed, naming ``rotary``), and a bug elsewhere is still named where it is. (Modules of one class under one
+    path are the same model's, as in a sharded run, and are not doubted: ``tests/test_distributed.py``.)"""
     from tests.test_lifted import RotaryTower
 
     torch.manual_seed(0)
@@ -216,17 +217,18 @@ def _mlps() -> tuple[nn.Module, nn.Module]:
 def test_a_refuted_pair_is_repaired_with_the_call_inside_that_computes_its_value(tmp_path, planted):
     """The activation, paired by order and shape with the GLU (which returns the gated product), is refuted by
     its users and re-paired with the GLU's own activation, whose output is its value; in every block alike. A bug
-    in the product is then the reference MLP's own code's, not the activation's. Values choose the repair, so
-    only where they agree to rounding: after a bug (the blocks past the planted one) the activation is left
-    unpaired, as before."""
+    in the product is then the reference MLP's own code's, not the activation's. Values choose the repair: where
+    they agree to rounding, or, past a bug (the blocks after the planted one), to within a few times what the
+    activation was handed, which is far from the O(1) of the wrong pair (x-transformers' first block named the
+    activation for a bug in its GLU's product: its second block, past the bug, was not repaired, so neither was
+    the first, which follows it)."""
     reference, candidate = _mlps()
     if planted:
         candidate.get_submodule(planted).register_forward_hook(lambda _m, _a, out: out * 1.01)
     result = _check(tmp_path, reference, candidate, planted or "clean")
-    last = int(planted.split(".")[0]) if planted else 1
     for i in range(2):
         pair = _pair_of(result, f"{i}.act")
-        assert (pair.candidate if pair else None) == (f"{i}.glu.act#0" if i <= last else None)
+        assert (pair.candidate if pair else None) == f"{i}.glu.act#0"
     if planted is None:
         assert result.verdict == "pass", result.report.first_divergence
     else:

@@ -30,7 +30,7 @@ import torch
 
 from paritylab.comparison.alignment import Alignment, Pair, in_layout, transposed
 from paritylab.comparison.metrics import Tolerance, divergence
-from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, relative_error
+from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, producer_row, relative_error
 from paritylab.tracing.tracefile import CallRecord, Node, Trace
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
@@ -71,7 +71,7 @@ def verify_pairs(
     for refuted, wrong, why in _refuted(rows, reference, candidate, alignment, by_index, passing):
         _unpair(refuted, wrong, alignment, candidate.call(wrong.candidate))
         refuted.note = f"{refuted.note}; {why}"
-        found = _repair(refuted, wrong, reference, candidate, alignment) if rejudge is not None else None
+        found = _repair(refuted, wrong, reference, candidate, alignment, by_index) if rejudge is not None else None
         if found is not None and rejudge is not None:
             repaired.append(_install(refuted, found, rows, by_index, reference, alignment, partner, rejudge))
     for lone, found in _repairs_alike(repaired, rows, reference, candidate, alignment, partner):
@@ -151,7 +151,8 @@ def _refuted(
     passing: set[str],
 ) -> list[tuple[Row, Pair, str]]:
     """Pairs proposed by order and shape alone (``auto``), or by equal paths alone (``identity``: a port that kept
-    the original's names for modules computing something else), that the traces refute, ``(row, pair, why)`` for each
+    the original's names for modules of its own computing something else, :func:`_doubted`), that the traces
+    refute, ``(row, pair, why)`` for each
     (nothing is changed here). Observers (a class whose other calls hand their input on) are left to the checks
     below, which know what they observe.
 
@@ -168,11 +169,11 @@ def _refuted(
         pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
         if pair is None or not _whole(pair):
             continue
-        if pair.source == "identity" and not (row.diverged and (row.rel_l2 or 0.0) >= REFUTED_ERROR):
-            continue  # equal paths and values that agree: nothing to doubt (a port keeping the original's names)
+        other = candidate.call(pair.candidate)
+        if pair.source == "identity" and not _doubted(row, reference.call(pair.reference), other):
+            continue  # the same model's module (a cast, compiled or sharded run), or values that agree
         if pair.source not in ("auto", "identity"):
             continue  # equal weights proposed it: the same computation, checked by its values
-        other = candidate.call(pair.candidate)
         if other.cls not in passing:
             proposed.append((row, pair, other))
     if not proposed:  # most runs of one model against its cast or its port: nothing to check, nothing built
@@ -210,6 +211,13 @@ def _refuted(
             why = f"{_proposed(pair)}, its output differs by {error:.3g}, as the same pair in "
             found[row.index] = (row, pair, why + f"another block does while {witness} does not: not one computation")
     return [found[index] for index in sorted(found)]
+
+
+def _doubted(row: Row, call: CallRecord, other: CallRecord) -> bool:
+    """A pair by equal paths is checked when a port kept the original's names for a module of its own class
+    (another implementation, which the path does not prove) whose output differs by O(1). Modules of one class
+    are the same model's (a cast, compiled or sharded run): a value that wrong there is a bug, felt or not."""
+    return call.cls != other.cls and row.diverged and (row.rel_l2 or 0.0) >= REFUTED_ERROR
 
 
 def _proposed(pair: Pair) -> str:
@@ -394,21 +402,38 @@ def _observed(rows: list[Row], row: Row, reference: Trace, handed: torch.Tensor 
 
 
 REPAIR_SCOPE = 64
+CARRIED = 4.0
+"""A repair also accepts a call whose output differs from the reference value by up to this many times what the
+refuted row's input differs by (a 1 % bug in an earlier block reaches it as a few 1e-5), while that is small
+beside the O(1) of the wrong pair it replaces (below :data:`REFUTED_ERROR`)."""
 """Calls examined for a refuted pair's repair: the wrong candidate module's own calls, then its siblings."""
 
 
-def _repair(row: Row, wrong: Pair, reference: Trace, candidate: Trace, alignment: Alignment) -> CallRecord | None:
+def _handed_error(row: Row, reference: Trace, by_index: Mapping[int, Row]) -> float | None:
+    """How much the value ``row``'s module was handed differs: its compared input, else the output of the compared
+    row that produced it (a wrong pair compares inputs of other shapes)."""
+    if row.input_metrics:
+        return relative_error(row.input_metrics)
+    producer = producer_row(dict(by_index), reference, row)
+    return producer.rel_l2 if producer is not None and producer.status == "compared" else None
+
+
+def _repair(
+    row: Row, wrong: Pair, reference: Trace, candidate: Trace, alignment: Alignment, by_index: Mapping[int, Row]
+) -> CallRecord | None:
     """The candidate call that computes what a refuted pair's reference call does, where exactly one does: a call
     no pair holds, inside the module it was wrongly paired with or beside it, whose output is the reference
     call's within the divergence margin (the GLU's own ``act`` for an ``act_fn`` wrongly paired with the GLU).
-    Values alone choose here, so only a value that agrees to rounding re-pairs: a bug upstream leaves the call
-    unpaired, as before."""
+    Values alone choose here, so only a value that agrees to rounding, or to what the row was handed (a bug
+    upstream: :data:`CARRIED`), re-pairs."""
     if row.tolerance is None:
         return None
     made = _value(reference, _first(reference.call(row.reference.key), "outputs"))
     if made is None or not made.is_floating_point():
         return None
-    margin = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
+    handed = _handed_error(row, reference, by_index)
+    carried = CARRIED * handed if handed is not None and handed < REFUTED_ERROR / CARRIED else 0.0
+    margin = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12) + carried
     held = {pair.candidate for pair in alignment.pairs} | set(alignment.folded_candidate)
     around = candidate.call(wrong.candidate)
     inside = [call for call in candidate.calls if call.index > around.index and _within(candidate, call, around.index)]
