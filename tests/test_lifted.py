@@ -15,6 +15,7 @@ from paritylab.comparison.lifted import Twins, lifts, same_weights, twins
 from paritylab.comparison.report import compare_traces
 from paritylab.run.lifting import configured_wide, lift, widened
 from paritylab.run.parity import check, converted_copy, trace_model
+from paritylab.tracing.initial import reset_caches
 
 
 class Block(nn.Module):
@@ -253,6 +254,46 @@ def test_a_buffer_a_cast_rounded_is_restored_and_angles_made_from_it_are_the_can
     calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
     clean = check(reference, candidate, tmp_path / "clean", **calls)
     assert clean.passed, clean.report.first_divergence
+    lifted = {row.path: row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local}
+    assert {"blocks.0", "blocks.1"} <= set(lifted) and max(lifted.values()) < 1e-6
+    _scaled(candidate.blocks[1], 1.001)
+    buggy = check(reference, candidate, tmp_path / "buggy", **calls)
+    assert not buggy.passed and buggy.report.first_divergence.path == "blocks.1"
+    assert math.isclose(buggy.report.first_divergence.local["lifted_rel_l2"], 1e-3, rel_tol=0.1)
+
+
+class CachedAngles(Angles):
+    """fair-esm's way: the angles computed in its buffer's dtype on the first call and cached for the next ones."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, tables=False)
+        self._cached: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._cached is None or len(self._cached) != len(positions):
+            angles = torch.outer(positions.to(self.inv_freq.dtype), self.inv_freq)
+            self._cached = torch.cat([angles, angles], dim=-1)
+        return (self._cached,)
+
+
+def test_what_a_low_precision_run_cached_is_made_afresh_in_the_lifted_copy(tmp_path):
+    """The bf16 run caches its angles in bf16 on the module; a float32 copy made afterwards would reuse them. The
+    lifted copy puts the cache back as it was before the first traced run (none), so the angles are computed
+    again in float32 from the restored ``inv_freq``, the attentions are judged lifted, and a x1.001 gain in one
+    is named there."""
+    torch.manual_seed(0)
+    reference = RotaryTower().eval()
+    candidate = RotaryTower(angles=True).eval()
+    candidate.rotary = CachedAngles(16)
+    candidate.load_state_dict(reference.state_dict())
+    candidate = candidate.to(torch.bfloat16)
+    x = torch.randn(1, 12, 16)
+    calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
+    clean = check(reference, candidate, tmp_path / "clean", **calls)
+    assert clean.passed, clean.report.first_divergence
+    assert candidate.rotary._cached is not None and candidate.rotary._cached.dtype == torch.bfloat16
+    copy = converted_copy(candidate, torch.float32)
+    assert reset_caches(copy, candidate) == ["rotary._cached"] and copy.rotary._cached is None
     lifted = {row.path: row.local["lifted_rel_l2"] for row in clean.report.rows if "lifted_rel_l2" in row.local}
     assert {"blocks.0", "blocks.1"} <= set(lifted) and max(lifted.values()) < 1e-6
     _scaled(candidate.blocks[1], 1.001)

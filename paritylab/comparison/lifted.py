@@ -37,6 +37,7 @@ from torch import nn
 from paritylab.comparison.alignment import Alignment, Pair, in_layout
 from paritylab.comparison.metrics import Tolerance, Tolerances
 from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, compare_traces, relative_error, slot_value
+from paritylab.tracing.initial import initial_state
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
@@ -374,14 +375,16 @@ def _values_key(tensor: torch.Tensor) -> tuple[object, ...]:
 
 def _rounded_state(model: nn.Module, dtype: torch.dtype, proven: frozenset[int] = frozenset()) -> set[str]:
     """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype`` (unless ``proven``:
-    see :func:`twins`), or another floating-point tensor (buffer or attribute) whose values a cast may have
-    rounded."""
+    see :func:`twins`), or another floating-point tensor (buffer, or attribute held before the first traced run:
+    :mod:`paritylab.tracing.initial`) whose values a cast may have rounded."""
     flagged = []
     for path, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
         params = [p for p in params if id(p) not in proven]
         others = [b for b in module.buffers(recurse=False) if b is not None and id(b) not in proven]
-        others += [v for v in vars(module).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
+        state = initial_state(model, path)  # as before its first run: a cache a forward made is made afresh
+        state = vars(module) if state is None else state
+        others += [v for v in state.values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
         if params or any(t.is_floating_point() and not _cast_proof(t) for t in others):
             flagged.append(path)
     paths = [path for path, _ in model.named_modules()]

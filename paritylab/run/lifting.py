@@ -30,6 +30,7 @@ from paritylab.comparison.lifted import (
 )
 from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.run.resident import available_memory, converted_copy
+from paritylab.tracing.initial import reset_caches
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
@@ -161,11 +162,14 @@ def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Mod
 
 
 def lifted_candidate(candidate: nn.Module, dtype: torch.dtype, reference: nn.Module | None = None) -> nn.Module:
-    """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too, and
-    the buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
-    lifted.Twins.restored`) holding those values again."""
+    """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too, the
+    buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
+    lifted.Twins.restored`) holding those values again, and the attributes its traced runs cached put back as
+    they were before them (:func:`~paritylab.tracing.initial.reset_caches`)."""
     restored = twins(reference, candidate, dtype).restored if reference is not None else None
-    return configured_wide(converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored), dtype)
+    copy = converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored)
+    reset_caches(copy, unwrap(candidate))  # what its low-precision runs cached is made afresh, in float32
+    return configured_wide(copy, dtype)
 
 
 def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from paritylab.tracing.capture import CaptureSpec, resolve_specs
+from paritylab.tracing.initial import remember
 from paritylab.tracing.journal import CALLS_JOURNAL, TENSORS_JOURNAL, Journal
 from paritylab.tracing.stats import StatsBatch, supports_stats
 from paritylab.tracing.storage import (
@@ -154,6 +155,7 @@ class Tracer:
 
     def __enter__(self) -> Trace:
         self._started = time.perf_counter()
+        remember(self.model)  # before its first traced run: what a forward caches is not the model
         specs = resolve_specs(self.model, self.options.capture)
         if self.options.fingerprint:
             from paritylab.tracing.structure import fingerprint_json
