@@ -348,6 +348,14 @@ def test_rules_patterns_null_and_round_trip(tmp_path):
         parse_rules([{"reference": "a", "candidate": "b", "candidate_slise": [0, 1]}])
     with pytest.raises(AlignmentError, match="0 <= index < count"):
         parse_rules([{"reference": "a", "candidate": "b", "candidate_chunk": [3, 3]}])
+    for order in ([0, 2], [1, 1, 0], ["a", 0], [True, False], "0,1", [*range(39, -1, -1), 40, 40]):
+        with pytest.raises(AlignmentError, match=r"rule #0: candidate_order must list each position 0..n-1 once"):
+            parse_rules([{"reference": "a", "candidate": "b", "candidate_order": order}])
+    with pytest.raises(AlignmentError, match=r"rule #1: candidate_input_order must list"):
+        parse_rules(
+            [{"reference": "a", "candidate": "b"}, {"reference": "c", "candidate": "d", "candidate_input_order": [1]}]
+        )
+    assert parse_rules([{"reference": "a", "candidate": "b", "candidate_order": [1, 0]}])[0].candidate_part.whole
     assert parse_rules({"a.{}": "b.{}", "c": None})[1] == Rule("c", None)
 
 

@@ -124,9 +124,13 @@ def _order(value: object, name: str, position: int) -> Part | None:
     """A whole dimension in another order: where each reference feature sits on the candidate's side."""
     if value is None:
         return None
-    if not isinstance(value, list) or sorted(value) != list(range(len(value))):
-        raise AlignmentError(f"rule #{position}: {name} must list the positions 0..n-1 in some order, got {value!r}")
-    return Part(indices=tuple(value), whole=True)
+    positions = [i for i in value if isinstance(i, int) and not isinstance(i, bool)] if isinstance(value, list) else []
+    if not isinstance(value, list) or len(positions) != len(value) or sorted(positions) != list(range(len(value))):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise AlignmentError(
+            f"rule #{position}: {name} must list each position 0..n-1 once, in the candidate's order, got {shown}"
+        )
+    return Part(indices=tuple(positions), whole=True)
 
 
 def _input(entry: Mapping[str, Any], side: str, position: int) -> str | None:
