@@ -281,15 +281,39 @@ def test_divergence_values_across_chunks_dtypes_and_bools():
     torch.manual_seed(0)
     reference = torch.randn(600_000, dtype=torch.float64)  # three chunks
     candidate = reference + 1e-3 * torch.randn_like(reference)
-    metrics = divergence(reference.float(), candidate.float(), Tolerance(1e-5, 1e-5))
     r, c = reference.float().double(), candidate.float().double()
-    assert metrics["rel_l2"] == pytest.approx(((c - r).norm() / r.norm()).item(), rel=1e-9)
-    assert metrics["cosine"] == pytest.approx(torch.nn.functional.cosine_similarity(r, c, dim=0).item(), abs=1e-12)
-    assert metrics["max_abs"] == pytest.approx((c - r).abs().max().item(), rel=1e-12)
+    exact = {
+        "rel_l2": ((c - r).norm() / r.norm()).item(),
+        "cosine": torch.nn.functional.cosine_similarity(r, c, dim=0).item(),
+        "max_abs": (c - r).abs().max().item(),
+        "frac_outside": ((c - r).abs() > 1e-5 + 1e-5 * r.abs()).double().mean().item(),
+        "scale_err": (r @ (c - r) / (r @ r)).item(),
+    }
+    wide = divergence(r, c, Tolerance(1e-5, 1e-5))  # float64 tensors: float64 throughout
+    narrow = divergence(reference.float(), candidate.float(), Tolerance(1e-5, 1e-5))  # float32: in float32
+    assert wide["rel_l2"] == pytest.approx(exact["rel_l2"], rel=1e-9)
+    assert narrow["rel_l2"] == pytest.approx(exact["rel_l2"], rel=1e-6)  # WORK_FLOAT32: about 1e-7 of itself
+    for metrics in (wide, narrow):
+        assert metrics["cosine"] == pytest.approx(exact["cosine"], abs=1e-12)
+        assert metrics["max_abs"] == pytest.approx(exact["max_abs"], rel=1e-12)  # c - r is exact in float32 here
+        assert metrics["frac_outside"] == exact["frac_outside"]
+        assert metrics["scale_err"] == pytest.approx(exact["scale_err"], rel=1e-3, abs=1e-9)
     mixed = divergence(reference.float(), reference.bfloat16(), Tolerance(1e-2, 1e-5))
     assert 0 < mixed["rel_l2"] < 4e-3 and within(mixed)
     masks = divergence(torch.tensor([True, False, True]), torch.tensor([True, True, True]), Tolerance(0, 0))
     assert masks["max_abs"] == 1 and masks["frac_outside"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("size", [1e20, 1e-20])
+def test_float32_squares_that_overflow_or_underflow_are_compared_in_float64(size):
+    """Squares of float32 values of 1e20 overflow in float32 and those of 1e-20 underflow: the float64 pass runs
+    instead, so the values are the float64 ones (not inf, not 0/0) and the verdict is right."""
+    torch.manual_seed(0)
+    reference = size * torch.randn(1000)
+    candidate = reference * 1.01
+    metrics = divergence(reference, candidate, Tolerance(1e-5, 0.0))
+    assert metrics["rel_l2"] == pytest.approx(0.01, rel=1e-5) and not within(metrics)
+    assert metrics["cosine"] == pytest.approx(1.0, abs=1e-9) and metrics["scale_err"] == pytest.approx(0.01, rel=1e-4)
 
 
 def test_first_nonfinite_module_is_reported(tmp_path):

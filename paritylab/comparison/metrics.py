@@ -105,18 +105,22 @@ def _opt_float(data: object, key: str) -> float | None:
 
 
 def divergence(reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tolerance) -> dict[str, float]:
-    """All :data:`METRIC_NAMES` for two tensors of the same shape, computed in float64 on their device.
+    """All :data:`METRIC_NAMES` for two tensors of the same shape, computed on their device.
 
     NaN/Inf at the same positions with the same values agree; positions where only one side is
     non-finite count as mismatches and are left out of the other metrics, which stay meaningful.
-    On the CPU the work streams through cache-sized float64 chunks in reused buffers (no allocation
-    per tensor), which is what makes comparison fast.
+    On the CPU the work streams through cache-sized chunks in reused buffers (no allocation per tensor),
+    which is what makes comparison fast. Floating-point tensors of 32 bits or fewer are compared in float32
+    (:data:`WORK_FLOAT32`), everything else in float64.
     """
     r = reference.detach().reshape(-1)
     c = candidate.detach().to(r.device).reshape(-1)
     if c.dtype == torch.bool:  # subtraction is not defined on bool
         c = c.to(torch.uint8)
-    sums = _accumulate(r, c, tolerance)
+    work = torch.float32 if _narrow(r) and _narrow(c) else torch.float64
+    sums = _accumulate(r, c, tolerance, work)
+    if work == torch.float32 and _float32_lost(sums, r.numel()):
+        sums = _accumulate(r, c, tolerance)
     nan_mismatch = inf_mismatch = 0
     if not all(math.isfinite(value) for value in sums[:6]):
         r64, c64 = r.to(torch.float64), c.to(torch.float64)
@@ -148,27 +152,60 @@ _workspace = threading.local()
 
 
 def _buffer(name: str, size: int, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    buffers: dict[tuple[str, torch.device], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
-    found = buffers.get((name, device))
-    if found is None or found.numel() < size or found.dtype != dtype:
-        found = buffers[(name, device)] = torch.empty(size, dtype=dtype, device=device)
+    buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
+    found = buffers.get((name, device, dtype))
+    if found is None or found.numel() < size:
+        found = buffers[(name, device, dtype)] = torch.empty(size, dtype=dtype, device=device)
     return found[:size]
 
 
-def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple[float, ...]:
-    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance, r·(c−r), Σ(c−r)), in float64.
+WORK_FLOAT32 = True
+"""Compare floating-point tensors of 32 bits or fewer in float32, not float64: half the memory traffic and no
+widening copy of the reference (measured 1.9x the throughput on one core, 2026-11-26). What it changes, and why
+no verdict moves: ``c - r`` is exact in float32 wherever the two agree within a factor of two (Sterbenz), which
+is every element that matters to a tolerance; the sums of a 262,144-element chunk carry a relative error of about
+1e-7 (measured: ‖d‖² 2e-7, ‖r‖² 1e-7, ``r·d``, a small cancelling term, 2e-5), added up across chunks in Python
+floats; verdicts compare those metrics with thresholds of 4x a tolerance or floor, far from 1e-5 of themselves.
+Where float32 would lose what float64 keeps (squares that overflow or underflow), the float64 pass runs instead
+(:func:`_float32_lost`)."""
+
+
+def _narrow(tensor: torch.Tensor) -> bool:
+    return WORK_FLOAT32 and tensor.is_floating_point() and tensor.element_size() <= 4
+
+
+def _float32_lost(sums: tuple[float, ...], count: int) -> bool:
+    """A float32 pass whose sums cannot be trusted: non-finite (an overflow: the float64 pass sorts out real
+    NaN/Inf), or squares that underflowed (the sum of squared differences below the largest one squared, or a
+    reference whose values are all below about 1e-18)."""
+    err2, ref2, max_abs = sums[0], sums[1], sums[4]
+    if not all(math.isfinite(value) for value in sums[:6]):
+        return True
+    return err2 < 0.5 * max_abs * max_abs or (count > 0 and ref2 < TINY * count)
+
+
+TINY = 1e-36
+"""A mean square below this (values about 1e-18) is computed in float64: float32's squares lose digits there."""
+
+
+def _accumulate(
+    r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance, work: torch.dtype = torch.float64
+) -> tuple[float, ...]:
+    """(‖c−r‖², ‖r‖², ‖c‖², r·c, max|c−r|, Σ|c−r|, #outside tolerance, r·(c−r), Σ(c−r)), computed in ``work``
+    per chunk and added up in Python floats.
 
     ``‖c‖²`` and ``r·c`` come from ``‖r‖²``, ``r·d`` and ``‖d‖²`` (``c = r + d``): one pass fewer, and
-    exact enough in float64 since ``d`` is small wherever it matters.
+    exact enough since ``d`` is small wherever it matters.
     """
     device = r.device
     step = _CHUNK if device.type == "cpu" else max(1, r.numel())
     totals = [0.0] * 9
     for start in range(0, r.numel(), step):
         size = min(step, r.numel() - start)
-        r64 = _buffer("r", size, device)
-        r64.copy_(r[start : start + size])
-        diff = torch.sub(c[start : start + size], r64, out=_buffer("d", size, device))  # promoted to float64
+        r64 = r[start : start + size]
+        if r64.dtype != work:
+            r64 = _buffer("r", size, device, work).copy_(r64)
+        diff = torch.sub(c[start : start + size], r64, out=_buffer("d", size, device, work))  # promoted to work
         dots = torch.stack([torch.dot(diff, diff), torch.dot(r64, r64), torch.dot(r64, diff), diff.sum()])
         diff.abs_()
         err2, ref2, ref_diff, sum_diff, max_abs, sum_abs = torch.cat(
@@ -176,7 +213,7 @@ def _accumulate(r: torch.Tensor, c: torch.Tensor, tolerance: Tolerance) -> tuple
         ).tolist()
         count = 0.0
         if not max_abs <= tolerance.atol:  # else no element can exceed atol + rtol·|r|: four passes saved
-            bound = torch.abs(r64, out=_buffer("t", size, device)).mul_(tolerance.rtol).add_(tolerance.atol)
+            bound = torch.abs(r64, out=_buffer("t", size, device, work)).mul_(tolerance.rtol).add_(tolerance.atol)
             outside = torch.gt(diff, bound, out=_buffer("g", size, device, torch.bool))
             count = float(torch.count_nonzero(outside))
         totals[0] += err2
