@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paritylab.comparison.lifted import Twins, lifts, same_weights, twins
+from paritylab.comparison.lifted import lifts, same_weights
 from paritylab.comparison.report import compare_traces
+from paritylab.comparison.twins import Twins, twins
 from paritylab.run.lifting import configured_wide, lift, widened
 from paritylab.run.parity import check, converted_copy, trace_model
 from paritylab.tracing.initial import reset_caches

@@ -18,17 +18,9 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment
-from paritylab.comparison.lifted import (
-    LIFTED_DTYPE,
-    LiftedReplay,
-    exact_sources,
-    lifts,
-    same_weights,
-    twins,
-    unwrap,
-    weightless,
-)
+from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weightless
 from paritylab.comparison.replay import fed_value, isolated_replay
+from paritylab.comparison.twins import LIFTED_DTYPE, exact_sources, twins, unwrap
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.initial import reset_caches
 from paritylab.tracing.tracefile import Trace
@@ -155,7 +147,7 @@ code differing is taken for a precision the copy could not lift, not for bugs, a
 
 def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Module | None = None) -> nn.Module:
     """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are), except
-    those ``candidate`` provably holds otherwise (:func:`~paritylab.comparison.lifted.twins`: kept wider, or
+    those ``candidate`` provably holds otherwise (:func:`~paritylab.comparison.twins.twins`: kept wider, or
     stored minus one), which hold what the candidate computes with."""
     given = twins(reference, candidate, dtype).given if candidate is not None else None
     return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=given)
@@ -164,7 +156,7 @@ def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Mod
 def lifted_candidate(candidate: nn.Module, dtype: torch.dtype, reference: nn.Module | None = None) -> nn.Module:
     """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too, the
     buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
-    lifted.Twins.restored`) holding those values again, and the attributes its traced runs cached put back as
+    twins.Twins.restored`) holding those values again, and the attributes its traced runs cached put back as
     they were before them (:func:`~paritylab.tracing.initial.reset_caches`)."""
     restored = twins(reference, candidate, dtype).restored if reference is not None else None
     copy = converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored)

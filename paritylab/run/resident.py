@@ -142,7 +142,7 @@ def converted_copy(
     ``rounded_to``: floating-point parameters (not buffers) are first rounded to that dtype, so the copy
     computes in ``dtype`` with the weights a cast to ``rounded_to`` would hold. ``given``: ``id`` of a parameter
     -> the values its copy holds instead (converted to ``dtype``, not rounded): what a low-precision candidate
-    provably computes with there (:class:`~paritylab.comparison.lifted.Twins`)."""
+    provably computes with there (:class:`~paritylab.comparison.twins.Twins`)."""
     memo: dict[int, Any] = {}
     given = given or {}
     for tensor, places in tensor_slots(model).values():

@@ -1,0 +1,188 @@
+"""What the two sides of a low-precision pair provably share: weights and state, whatever the cast did to them.
+
+The lifted replay (:mod:`paritylab.comparison.lifted`) judges a bfloat16/float16 candidate's code in float32 with
+the very weights it holds; that only holds where the two sides' weights and state are provably the same. Here: the
+candidate's parameters kept wider or stored minus one and the buffers a cast rounded, each proven from the values
+against a reference tensor (:func:`twins`), the modules holding state a cast rounded (:func:`rounded_state`), and
+the modules whose values are the candidate's own in float32 whatever their counterpart (:func:`exact_sources`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paritylab.tracing.initial import initial_state
+from paritylab.tracing.structure import MASK, ModulePrint
+
+LIFTED_DTYPE = torch.float32
+"""What both sides compute in: wide enough that rounding is far below any error worth naming (fp32 pairs of
+independent implementations agree to about 1e-6), and as fast as the plain forward."""
+
+
+@dataclass(frozen=True)
+class Twins:
+    """Candidate parameters that hold a reference parameter's values otherwise than rounded to the candidate's
+    precision, proven from the values (:func:`twins`)."""
+
+    given: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id of a reference parameter -> the value the lifted reference holds instead of its rounded one: its exact
+    value where the candidate keeps it wider, or the candidate's ``g`` plus one where the candidate stores a norm's
+    scale as ``g = w - 1`` (x-transformers' and Gemma's norms multiply by ``1 + g``, and ``g`` rounds finer than
+    ``w``): both lifted sides then compute with the very same scale."""
+    shifted: frozenset[int] = frozenset()
+    """ids of the reference parameters the candidate stores minus one: fingerprinted as :attr:`ParamPrint.shifted`
+    when the two sides' weights are compared."""
+    proven: frozenset[int] = frozenset()
+    """ids of the candidate's parameters kept wider than its precision, and of its buffers a cast rounded, whose
+    values are proven (not state a cast rounded, or restored)."""
+    restored: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id of a candidate buffer a cast rounded (a rotary ``inv_freq``) -> the reference buffer it is the rounding
+    of: the lifted candidate holds that buffer's values, as it did before the cast."""
+
+
+def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twins:
+    """The candidate's parameters kept wider than ``dtype`` (norms held in float32 inside a bfloat16 model), or
+    stored as a reference parameter minus one, whose values a reference parameter provably holds (see
+    :class:`Twins`). A wide parameter holding the reference's exact values keeps its twin unrounded; one holding
+    its rounded values (a norm cast and then widened) needs nothing; one matching neither is not proven, and its
+    module is not lifted."""
+    params = [p for p in unwrap(candidate).parameters() if p.is_floating_point()]
+    wide = [p for p in params if p.dtype != dtype]
+    flat = [p for p in params if p.dim() == 1]  # a norm's scale
+    sizes = {p.numel() for p in (*wide, *flat)}
+    exact: dict[tuple[object, ...], nn.Parameter] = {}
+    rounded: dict[tuple[object, ...], tuple[object, ...]] = {}  # rounded values -> exact values
+    minus_one: dict[tuple[object, ...], nn.Parameter] = {}
+    widths = {p.dtype for p in flat}
+    for param in unwrap(reference).parameters():
+        if not param.is_floating_point() or param.numel() not in sizes:
+            continue
+        exact.setdefault(values_key(param), param)
+        rounded.setdefault(values_key(param.detach().to(dtype)), values_key(param))
+        if param.dim() == 1:
+            for width in widths:
+                minus_one.setdefault(values_key((param.detach().to(LIFTED_DTYPE) - 1).to(width)), param)
+    keys = {id(param): values_key(param) for param in params}
+    held = set(keys.values())
+    given: dict[int, torch.Tensor] = {}
+    shifted, proven = set(), set()
+    for param in params:
+        key = keys[id(param)]
+        if param.dtype != dtype and key in exact:
+            given[id(exact[key])] = exact[key].detach()
+            proven.add(id(param))
+        elif param.dtype != dtype and key in rounded:
+            proven.add(id(param))
+        elif param.dim() == 1 and key in minus_one and key not in rounded and not _held(minus_one[key], dtype, held):
+            # only a shift explains these values: no reference parameter holds them, and the candidate does not
+            # hold the reference's own (zeros are a norm of ones shifted, or an unshifted bias: the second wins)
+            twin = minus_one[key]
+            given[id(twin)] = param.detach().to(LIFTED_DTYPE) + 1
+            shifted.add(id(twin))
+            proven.add(id(param))
+    restored = _rounded_buffers(reference, candidate, dtype)
+    return Twins(given, frozenset(shifted), frozenset(proven | set(restored)), restored)
+
+
+def _rounded_buffers(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """The candidate's ``dtype`` buffers whose values a cast rounded (:func:`cast_proof`), each the rounding of a
+    wider reference buffer of its shape: candidate buffer id -> that reference buffer."""
+    rounded = [
+        b for b in unwrap(candidate).buffers() if b.is_floating_point() and b.dtype == dtype and not cast_proof(b)
+    ]
+    if not rounded:
+        return {}
+    shapes = {tuple(b.shape) for b in rounded}
+    wide: dict[tuple[object, ...], torch.Tensor] = {}
+    for buffer in unwrap(reference).buffers():
+        if buffer.is_floating_point() and buffer.dtype != dtype and tuple(buffer.shape) in shapes:
+            wide.setdefault(values_key(buffer.detach().to(dtype)), buffer.detach())
+    return {id(b): wide[key] for b in rounded if (key := values_key(b)) in wide}
+
+
+def _held(param: torch.Tensor, dtype: torch.dtype, held: set[tuple[object, ...]]) -> bool:
+    """The candidate holds ``param``'s values, exact or rounded to ``dtype``."""
+    return values_key(param) in held or values_key(param.detach().to(dtype)) in held
+
+
+def shifted_prints(prints: dict[str, ModulePrint], model: nn.Module, shifted: frozenset[int]) -> dict[str, ModulePrint]:
+    """``prints`` with the ``shifted`` parameters counted by their values minus one (:attr:`ParamPrint.shifted`),
+    as the candidate stores them: a parameter of ones shifts to zeros, which no fingerprint counts."""
+    if not shifted:
+        return prints
+    found: dict[int, tuple[int, int, int]] = {}  # id -> (digest, shifted digest, size)
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in shifted:
+                own = next((p for p in prints[path].params if p.name == name), None)
+                if own is not None:
+                    found[id(param)] = (own.digest, own.shifted, param.numel())
+    result = dict(prints)
+    for path, module in model.named_modules():
+        moved = [found[id(p)] for p in module.parameters() if id(p) in found]
+        if moved:
+            before = prints[path]
+            digest = (before.digest + sum(after - was for was, after, _ in moved)) & MASK
+            numel = before.numel - sum(size for _, after, size in moved if not after)
+            result[path] = ModulePrint(before.path, digest if numel else 0, numel, before.params)
+    return result
+
+
+def values_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Shape and a digest of the float32 values: equal keys, equal values (a collision is 2**-128)."""
+    import hashlib
+
+    values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+    return tuple(tensor.shape), hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
+
+
+def rounded_state(model: nn.Module, dtype: torch.dtype, proven: frozenset[int] = frozenset()) -> set[str]:
+    """Paths of the modules whose subtree holds a floating-point parameter not in ``dtype`` (unless ``proven``:
+    see :func:`twins`), or another floating-point tensor (buffer, or attribute held before the first traced run:
+    :mod:`paritylab.tracing.initial`) whose values a cast may have rounded."""
+    flagged = []
+    for path, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
+        params = [p for p in params if id(p) not in proven]
+        others = [b for b in module.buffers(recurse=False) if b is not None and id(b) not in proven]
+        state = initial_state(model, path)  # as before its first run: a cache a forward made is made afresh
+        state = vars(module) if state is None else state
+        others += [v for v in state.values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
+        if params or any(t.is_floating_point() and not cast_proof(t) for t in others):
+            flagged.append(path)
+    paths = [path for path, _ in model.named_modules()]
+    return {path for path in paths if any(_within(found, path) for found in flagged)}
+
+
+def _within(path: str, ancestor: str) -> bool:
+    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
+
+
+def exact_sources(candidate: nn.Module, proven: frozenset[int], dtype: torch.dtype) -> frozenset[str]:
+    """Paths of the candidate's modules whose subtree holds no parameter and no state a cast rounded (buffers
+    restored from the reference excepted: ``proven``, :attr:`Twins.proven`): see :attr:`LiftedReplay.sources`."""
+    unsafe = rounded_state(candidate, dtype, proven)
+    return frozenset(
+        path
+        for path, module in unwrap(candidate).named_modules()
+        if path not in unsafe and next(module.parameters(), None) is None
+    )
+
+
+def cast_proof(tensor: torch.Tensor) -> bool:
+    """Every value is one a cast to bfloat16 or float16 keeps: zero, small integers, powers of two, and the
+    huge fills of attention masks (whose effect no rounding changes)."""
+    values = tensor.detach().reshape(-1).to(torch.float64)
+    values = values[values.isfinite() & (values.abs() < 1e4)]
+    mantissa, _ = torch.frexp(values)
+    small_integer = (values == values.round()) & (values.abs() <= 256)
+    return bool((small_integer | (mantissa.abs() == 0.5)).all())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds, else ``model``: the lifted copies run eagerly."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
