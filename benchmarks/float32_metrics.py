@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.pairs import reference_side
 from paritylab.comparison import metrics
 from paritylab.comparison.report import Report
-from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
+from paritylab.run.parity import compare_and_replay, match_weight_grids, trace_model
 from tests.pairs import PAIRS, planted, unavailable
 
 
@@ -45,13 +46,7 @@ def main() -> int:
             for dtype_name in args.dtypes:
                 case = PAIRS[name](getattr(torch, dtype_name))
                 base = scratch / f"{name}-{dtype_name}"
-                reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
-                low = low_precision(case.reference, case.candidate)
-                floors = None
-                if low is not None:
-                    floors = estimate_floors(
-                        case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs
-                    )
+                reference_trace, floors = reference_side(case, base)
                 site = next(iter(case.sites))
                 for label, plant in (("clean", None), (f"{site} noise 1e-3", site)):
                     reports = []

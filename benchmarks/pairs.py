@@ -27,8 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
-from tests.pairs import KINDS, PAIRS, SEED, planted, unavailable
+from paritylab.run.parity import (
+    Floors,
+    compare_and_replay,
+    estimate_floors,
+    low_precision,
+    match_weight_grids,
+    trace_model,
+)
+from paritylab.tracing.tracefile import Trace
+from tests.pairs import KINDS, PAIRS, SEED, PairCase, planted, unavailable
 
 
 def main() -> int:
@@ -82,6 +90,16 @@ def main() -> int:
     return 0
 
 
+def reference_side(case: PairCase, base: Path) -> tuple[Trace, Floors | None]:
+    """The reference traced into ``base``, and its noise floors when the candidate is in low precision."""
+    reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
+    low = low_precision(case.reference, case.candidate)
+    floors = None
+    if low is not None:
+        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
+    return reference_trace, floors
+
+
 def clean_seeds(name: str, args: argparse.Namespace) -> list[str]:
     """Clean candidates of ``name`` with references seeded 1..N (other weights, other token ids): each must pass."""
     alarms = []
@@ -92,13 +110,7 @@ def clean_seeds(name: str, args: argparse.Namespace) -> list[str]:
             for dtype_name in args.dtypes:
                 case = PAIRS[name](getattr(torch, dtype_name))
                 base = scratch / f"{name}-{seed}-{dtype_name}"
-                reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
-                low = low_precision(case.reference, case.candidate)
-                floors = None
-                if low is not None:
-                    floors = estimate_floors(
-                        case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs
-                    )
+                reference_trace, floors = reference_side(case, base)
                 candidate_trace = trace_model(case.candidate, case.candidate_call, base / "candidate")
                 match_weight_grids(case.reference, case.candidate, reference_trace, candidate_trace)
                 report = compare_and_replay(
@@ -120,11 +132,7 @@ def run_pair(name: str, dtype: torch.dtype, args: argparse.Namespace, scratch: P
     started = time.perf_counter()
     case = PAIRS[name](dtype)
     base = scratch / f"{name}-{dtype}".replace("torch.", "")
-    reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
-    low = low_precision(case.reference, case.candidate)
-    floors = None
-    if low is not None:
-        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
+    reference_trace, floors = reference_side(case, base)
     counter = 0
 
     def judge(tag: str):

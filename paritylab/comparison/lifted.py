@@ -38,6 +38,7 @@ from paritylab.comparison.alignment import Alignment, Pair, in_layout
 from paritylab.comparison.metrics import Tolerance, Tolerances
 from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, compare_traces, relative_error, slot_value
 from paritylab.comparison.twins import (
+    Twins,
     cast_proof,
     rounded_state,
     shifted_prints,
@@ -186,11 +187,12 @@ def same_weights(
     candidate_trace: Trace,
     alignment: Alignment,
     dtype: torch.dtype,
+    found: Twins | None = None,
 ) -> frozenset[str]:
     """Reference call keys of the pairs whose two modules hold the same weights once the reference's are
-    rounded to ``dtype`` (see the module's text for the conditions)."""
+    rounded to ``dtype`` (see the module's text for the conditions). ``found``: :func:`twins`, if computed."""
     grid = "fp16" if dtype == torch.float16 else "bf16"
-    found = twins(reference, candidate, dtype)
+    found = found or twins(reference, candidate, dtype)
     prints = (shifted_prints(fingerprint(reference, grid), reference, found.shifted), fingerprint(candidate, grid))
     unsafe = rounded_state(candidate, dtype, found.proven)
     eligible = set()

@@ -20,7 +20,7 @@ from torch import nn
 from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weightless
 from paritylab.comparison.replay import fed_value, isolated_replay
-from paritylab.comparison.twins import LIFTED_DTYPE, exact_sources, twins, unwrap
+from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.initial import reset_caches
 from paritylab.tracing.tracefile import Trace
@@ -61,7 +61,8 @@ def lift(
             )
         return None
     try:
-        eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype)
+        found = twins(reference, candidate, dtype)  # what the copies and the weights check share
+        eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype, found)
     except Exception as error:  # parameters fingerprinting cannot read (a tensor subclass): nothing to lift
         if notes is not None:
             notes.append(f"lifted replay skipped: weights not comparable: {type(error).__name__}: {error}")
@@ -71,13 +72,14 @@ def lift(
     traces: list[Trace] = []
     steps = (  # one float32 copy alive at a time
         lambda: _traced(
-            lifted_reference(reference, dtype, candidate),
+            lifted_reference(reference, dtype, candidate, found),
             widened(reference_call, dtype),
             directory / "lifted-reference",
         ),
         lambda: isolated_replay(
-            lifted_candidate(candidate, dtype, reference), widened(candidate_call, dtype), traces[0], candidate_trace,
-            alignment, directory / "lifted-candidate", fed=_fed_leaves(traces[0], candidate_trace, alignment, eligible),
+            lifted_candidate(candidate, dtype, reference, found), widened(candidate_call, dtype), traces[0],
+            candidate_trace, alignment, directory / "lifted-candidate",
+            fed=_fed_leaves(traces[0], candidate_trace, alignment, eligible),
         ),
     )  # fmt: skip
     for step, own_trace in zip(steps, (reference_trace, candidate_trace), strict=True):
@@ -96,7 +98,7 @@ def lift(
     observers = weightless(candidate, candidate_trace, alignment, dtype)
     fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
     forced = frozenset(pair.reference for pair in alignment.pairs if pair.candidate in fed)
-    sources = exact_sources(candidate, twins(reference, candidate, dtype).proven, dtype)
+    sources = exact_sources(candidate, found.proven, dtype)
     lifted = LiftedReplay(
         str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources
     )
@@ -145,20 +147,24 @@ SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
 code differing is taken for a precision the copy could not lift, not for bugs, and is not used."""
 
 
-def lifted_reference(reference: nn.Module, dtype: torch.dtype, candidate: nn.Module | None = None) -> nn.Module:
+def lifted_reference(
+    reference: nn.Module, dtype: torch.dtype, candidate: nn.Module | None = None, found: Twins | None = None
+) -> nn.Module:
     """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are), except
     those ``candidate`` provably holds otherwise (:func:`~paritylab.comparison.twins.twins`: kept wider, or
     stored minus one), which hold what the candidate computes with."""
-    given = twins(reference, candidate, dtype).given if candidate is not None else None
+    given = (found or twins(reference, candidate, dtype)).given if candidate is not None else None
     return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=given)
 
 
-def lifted_candidate(candidate: nn.Module, dtype: torch.dtype, reference: nn.Module | None = None) -> nn.Module:
+def lifted_candidate(
+    candidate: nn.Module, dtype: torch.dtype, reference: nn.Module | None = None, found: Twins | None = None
+) -> nn.Module:
     """A float32 copy of the ``dtype`` candidate (its weights exact there), a configured ``dtype`` lifted too, the
     buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
     twins.Twins.restored`) holding those values again, and the attributes its traced runs cached put back as
     they were before them (:func:`~paritylab.tracing.initial.reset_caches`)."""
-    restored = twins(reference, candidate, dtype).restored if reference is not None else None
+    restored = (found or twins(reference, candidate, dtype)).restored if reference is not None else None
     copy = converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored)
     reset_caches(copy, unwrap(candidate))  # what its low-precision runs cached is made afresh, in float32
     return configured_wide(copy, dtype)
