@@ -21,7 +21,7 @@ from torch import nn
 
 from paritylab.distributed import DistributedError, check_distributed, check_variants, compare_ranks
 from paritylab.distributed.launch import LaunchResult, LaunchSpec, RankContext, RankStatus
-from paritylab.distributed.merge import MergedTrace, concat_dim, merge_ranks, same_values
+from paritylab.distributed.merge import MergedTrace, call_order, concat_dim, merge_ranks, same_values
 from paritylab.distributed.placements import PLACEMENTS_FILE
 from paritylab.run.parity import trace_model
 from paritylab.tracing.tracefile import Trace
@@ -322,6 +322,70 @@ def test_merge_reads_ranks_in_order_and_keeps_pieces_addressable(tmp_path: Path)
     assert merged_value is not None and torch.equal(merged_value, WHOLE)
 
 
+class Stage(nn.Module):
+    """``Pair`` split into two pipeline stages: rank 0 runs ``first`` and ``keep`` and returns nothing, rank 1
+    runs ``second`` on the value rank 0 would have sent and returns its output."""
+
+    def __init__(self, rank: int, second: torch.Tensor) -> None:
+        super().__init__()
+        self.first = Emit(WHOLE) if rank == 0 else None
+        self.keep = nn.Identity() if rank == 0 else None
+        self.second = Emit(second) if rank == 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.first is not None and self.keep is not None:
+            self.keep(self.first(x))
+            return None
+        assert self.second is not None
+        return self.second(WHOLE.clone())
+
+
+def _traced_stages(root: Path, second: torch.Tensor) -> tuple[Trace, list[Path]]:
+    reference = trace_model(Pair(WHOLE, OUT), lambda model: model(X), root / "reference")
+    directories = []
+    for rank in range(2):
+        directory, model = root / f"rank{rank}", Stage(rank, second)
+        options = TraceOptions(save_tensors=True, fingerprint=False, metadata={"rank": rank, "world_size": 2})
+        with Tracer(model, directory, options):
+            model(X)
+        directories.append(directory)
+    return reference, directories
+
+
+def test_pipeline_stages_merge_from_the_ranks_that_made_each_call(tmp_path: Path) -> None:
+    """Calls made on one rank only (a module that exists on one stage) are merged from that rank, in an order
+    each rank's own keeps, with parents and data flow renumbered; the root's output, ``None`` on the first stage,
+    is the last stage's."""
+    reference, ranks = _traced_stages(tmp_path, OUT)
+    result = compare_ranks(reference, ranks, tmp_path / "out")
+    assert result.verdict == "pass", result.summary()
+    trace = result.candidate.trace
+    assert trace.keys == ["#0", "first#0", "keep#0", "second#0"] == reference.keys
+    assert [call.index for call in trace.calls] == [0, 1, 2, 3] and [c.parent for c in trace.calls] == [None, 0, 0, 0]
+    for key, holders in (("first#0", [0]), ("second#0", [1]), ("#0", [1])):
+        merge = result.candidate.slot(key, "outputs")
+        assert merge is not None and (merge.rule, merge.ranks, merge.agrees) == ("stage", holders, [True]), key
+    assert trace.call("#0").outputs["from"] == 3  # type: ignore[index]  # rank 1's index 1, renumbered
+    assert trace.call("keep#0").identity
+    assert result.candidate.notes == [
+        "2 calls made on rank 0 only (first#0, keep#0): merged from the ranks that made them",
+        "1 call made on rank 1 only (second#0): merged from the ranks that made them",
+    ]
+    wrong = compare_ranks(*_traced_stages(tmp_path / "wrong", OUT * 1.5), tmp_path / "wrong" / "out")
+    finding = wrong.finding
+    assert wrong.verdict == "fail" and finding is not None and (finding.module, finding.kind) == ("second", "rank")
+    assert finding.ranks == [1] and finding.message == (
+        "second (outputs): computed on rank 1 alone (its pipeline stage), and its value differs from the "
+        "reference's (rank 1 rel_l2 0.5)"
+    )
+
+
+def test_call_order_keeps_every_rank_s_order_and_puts_later_stages_after_earlier_ones() -> None:
+    assert call_order([["root", "a", "b"], ["root", "c", "d"]]) == ["root", "a", "b", "c", "d"]
+    assert call_order([["a", "b", "c"], ["a", "x", "c", "y"], ["z"]]) == ["a", "b", "x", "c", "y", "z"]
+    assert call_order([["a", "b"], ["a", "b"]]) == ["a", "b"]
+
+
 def test_same_values_is_bitwise_with_nan_in_the_same_places() -> None:
     value = torch.tensor([1.0, float("nan"), 3.0])
     assert same_values(value, value.clone()) and not torch.equal(value, value.clone())
@@ -363,15 +427,15 @@ def test_a_run_past_its_time_limit_says_so(tmp_path: Path) -> None:
 # -- the command line: python -m paritylab model=llama candidate=tp -----------------------------------------
 
 
-def _paritylab(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """``python -m paritylab model=llama candidate=tp candidate.world_size=2`` logging to a SQLite store in
-    ``tmp_path``."""
+def _paritylab(tmp_path: Path, *overrides: str, candidate: str = "tp") -> subprocess.CompletedProcess[str]:
+    """``python -m paritylab model=llama candidate=tp candidate.world_size=2`` (or another distributed
+    ``candidate``) logging to a SQLite store in ``tmp_path``."""
     from tests.helpers import migrated_store
 
     uri = migrated_store(tmp_path / "mlflow.db")
     command = [
-        sys.executable, "-m", "paritylab", "model=llama", "candidate=tp", "candidate.world_size=2", *overrides,
-        f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}",
+        sys.executable, "-m", "paritylab", "model=llama", f"candidate={candidate}", "candidate.world_size=2",
+        *overrides, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}",
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
@@ -419,6 +483,19 @@ def test_a_defect_on_one_rank_fails_the_run_naming_module_and_rank(tmp_path: Pat
     assert tags["paritylab.distributed.ranks"] == "1" and tags["paritylab.distributed.finding"] == "rank"
     assert params["candidate.world_size"] == "2" and params["candidate.options.defect"] == "rank1_scaled"
     assert found.info.run_name.startswith("FAIL llama/tp") and found.info.run_name.endswith(f"@ {module}")
+
+
+def test_the_command_line_names_a_pipeline_stage_s_hand_off_by_module_and_ranks(tmp_path: Path) -> None:
+    result = _paritylab(tmp_path, "+candidate.options.defect=stale_handoff", candidate="pipeline")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAIL: divergence starts at model (" in result.stdout
+    assert (
+        "paritylab: ranks (handoff): model: the hand-off from rank 0 to rank 1: model.layers.0's output on rank 0 "
+        "agrees with the reference, model.layers.1's input on rank 1 does not"
+    ) in result.stdout
+    _, found = _only_run(tmp_path)
+    assert found.data.tags["paritylab.distributed.ranks"] == "0,1"
+    assert found.data.tags["paritylab.distributed.finding"] == "handoff"
 
 
 @pytest.mark.parametrize(
@@ -505,3 +582,40 @@ def test_an_fsdp2_sharded_llama_passes_and_a_rank_local_or_wrong_shard_bug_is_na
     assert rank1.finding is not None and rank1.finding.ranks == [1]
     shard = results["shard"]
     assert shard.verdict == "fail" and shard.report.first_divergence.path == "model.layers.0.mlp.gate_proj"
+
+
+def test_a_pipeline_split_llama_passes_and_stage_defects_are_named_by_module_and_rank(tmp_path: Path) -> None:
+    """transformers' Llama split into 2 pipeline stages (experiments/pipeline_llama.py: layers 0-1 on rank 0,
+    layers 2-3, the norm and the head on rank 1, send/recv between them): the clean split passes; a scale in
+    rank 1's layer, rank 1 loading its layers by local index, and a stage boundary that sends the hidden state
+    from before rank 0's last layer are each named at the module and the rank (the last as the hand-off)."""
+    from tests.tiny import tiny_llama, token_ids
+
+    reference = tiny_llama(num_hidden_layers=4)
+    variants = {
+        "clean": {},
+        "scaled": {"defect": "stage_scaled", "layer": 3},
+        "weights": {"defect": "stage_weights"},
+        "handoff": {"defect": "stale_handoff"},
+    }
+    results = check_variants(
+        reference, "experiments.pipeline_llama:build", tmp_path, variants, world_size=2,
+        inputs={"input_ids": token_ids(batch=2)}, call_kwargs={"use_cache": False},
+        options={"config": reference.config.to_dict()}, timeout_s=240,
+    )  # fmt: skip
+    clean = results["clean"]
+    assert clean.verdict == "pass" and not clean.report.not_compared, clean.summary()
+    merge = clean.candidate.slot("model.layers.3.mlp.down_proj#0", "outputs")
+    assert merge is not None and (merge.rule, merge.ranks) == ("stage", [1])
+    assert clean.candidate.trace.keys[:3] == ["#0", "model#0", "model.embed_tokens#0"]
+    for name, module in (("scaled", "model.layers.3.mlp.down_proj"), ("weights", "model.layers.2.self_attn.q_proj")):
+        found = results[name]
+        assert found.verdict == "fail" and found.report.first_divergence.path == module, found.summary()
+        assert found.finding is not None and (found.finding.kind, found.finding.ranks) == ("rank", [1])
+        assert found.finding.message.startswith(f"{module} (outputs): computed on rank 1 alone (its pipeline stage)")
+    handoff = results["handoff"].finding
+    assert handoff is not None and (handoff.module, handoff.kind, handoff.ranks) == ("model", "handoff", [0, 1])
+    assert handoff.message.startswith(
+        "model: the hand-off from rank 0 to rank 1: model.layers.1's output on rank 0 agrees with the reference, "
+        "model.layers.2's input on rank 1 does not"
+    )

@@ -13,7 +13,12 @@ pieces were combined and how each piece compares with the reference's matching p
     A concatenation whose every piece equals one of the reference's parts, but not its own: the shards are
     in the wrong order (rank r holds part k).
 ``rank``
-    Some ranks' pieces agree with the reference's matching parts and the others' do not: those ranks.
+    Some ranks' pieces agree with the reference's matching parts and the others' do not: those ranks. Or the
+    module ran on one rank alone (a pipeline stage's) and its value differs: that rank.
+``handoff``
+    The module's output diverges while its input agrees, and inside it, between two calls made on different
+    ranks, a child that ran on one rank returned a value that agrees and the next child, on another rank, was
+    handed one that does not: the value one pipeline stage sent the next (ranks: sender, then receiver).
 ``all-ranks``
     Every rank holds the same wrong value (or every piece is wrong): a defect in code every rank runs. When
     the difference is the same vector at every position, it is an offset such as a bias counted once per
@@ -33,6 +38,7 @@ from paritylab.comparison.report import Report, Row, slot_value
 from paritylab.distributed.launch import LaunchResult
 from paritylab.distributed.merge import MergedTrace, SlotMerge
 from paritylab.tracing.tracefile import Trace, display_path
+from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
 OFFSET_SHARE = 1e-3
 """A difference counts as one constant offset when what varies across positions is under this share of it."""
@@ -79,7 +85,7 @@ def localise(report: Report, merged: MergedTrace, launch: LaunchResult | None, r
     if merge is None:
         return RankFinding(row.path, "unattributed", [], f"{_where(row)}: no merge record for the compared slot",
                            row.candidate.key, row.candidate.slot)  # fmt: skip
-    finding = _from_merge(row, merge, merged, reference)
+    finding = _handoff(row, report, merged, reference) or _from_merge(row, merge, merged, reference)
     row.note = "; ".join(filter(None, [row.note, finding.message]))  # the report and its renderings show it
     return finding
 
@@ -101,7 +107,13 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
     base: dict[str, Any] = {"call": merge.call, "slot": merge.slot, "rule": merge.rule}
     evidence: dict[str, Any] = {"rank_errors": merge.errors, "rank_shapes": merge.shapes}
     agrees = merge.agrees
-    every = list(range(merged.world_size))
+    every = merge.holders
+    if merge.rule == "stage" and agrees is not None and not any(agrees):
+        message = (
+            f"{where}: computed on {_ranks(every)} alone (its pipeline stage), and its value differs from the "
+            f"reference's ({_errors(merge)})"
+        )
+        return RankFinding(row.path, "rank", every, message, evidence=evidence, **base)
     if merge.rule == "disagree" and agrees is not None and merge.sum_agrees and not all(agrees):
         evidence["sum_error"] = merge.sum_error
         message = (
@@ -112,9 +124,9 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
         return RankFinding(row.path, "partial-sum", every, message, evidence=evidence, **base)
     if merge.rule in ("concat", "shard") and merge.holds is not None and agrees is not None:
         holds = merge.holds
-        moved = [rank for rank, part in enumerate(holds) if part is not None and part != rank]
+        moved = [every[at] for at, part in enumerate(holds) if part is not None and part != at]
         if moved and all(part is not None for part in holds):
-            placed = ", ".join(f"rank {rank} holds part {holds[rank]}" for rank in moved)
+            placed = ", ".join(f"rank {every[at]} holds part {part}" for at, part in enumerate(holds) if part != at)
             message = (
                 f"{where}: shards out of order along dim {merge.dim}: {placed} of the reference's "
                 f"{merged.world_size} (each piece is right, its place is not)"
@@ -122,8 +134,8 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
             evidence["holds"] = holds
             return RankFinding(row.path, "shard-order", moved, message, evidence=evidence, **base)
     if agrees is not None and any(agrees) and not all(agrees):
-        wrong = [rank for rank, ok in enumerate(agrees) if not ok]
-        right = [rank for rank, ok in enumerate(agrees) if ok]
+        wrong = [rank for rank, ok in zip(every, agrees, strict=True) if not ok]
+        right = [rank for rank, ok in zip(every, agrees, strict=True) if ok]
         piece = "shard" if merge.rule in ("concat", "shard") else "value"
         message = (
             f"{where}: {_ranks(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
@@ -147,6 +159,50 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
     reason = merge.note or f"merged by rule {merge.rule!r}"
     return RankFinding(row.path, "unattributed", [], f"{where}: no rank can be singled out ({reason})",
                        evidence=evidence, **base)  # fmt: skip
+
+
+def _handoff(row: Row, report: Report, merged: MergedTrace, reference: Trace) -> RankFinding | None:
+    """The hand-off finding (module docstring) for a first divergence inside which a call on some ranks was
+    handed a value that diverges by a call on other ranks whose output agrees, else ``None``. The receiver is
+    the first diverging call inside ``row`` whose input diverges; its sender, the call the reference's data
+    flow says produced that input."""
+    prefix = f"{row.path}." if row.path else ""
+    by_key = {inner.reference.key: inner for inner in report.rows}
+    producers = {call.index: call for call in reference.calls}
+    for inner in report.rows:
+        if inner.index <= row.index or inner.candidate is None or not inner.path.startswith(prefix):
+            continue
+        if not (inner.diverged and inner.input_known and inner.input_diverged):
+            continue
+        call = reference.call(inner.reference.key)
+        slot = first_tensor_slot(call.inputs, "inputs")
+        node = dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot is not None else None
+        made = producers.get(node.get("from")) if node is not None else None  # type: ignore[arg-type]
+        given = by_key.get(made.key) if made is not None else None
+        if given is None or given.candidate is None or given.diverged or given.verdict != "pass":
+            return None
+        senders = _holders(merged, given.candidate.key, given.candidate.slot or "")
+        receivers = _holders(merged, inner.candidate.key, inner.candidate.slot or "")
+        if senders is None or receivers is None or set(receivers) <= set(senders):
+            return None
+        error = inner.input_metrics.get("rel_l2")
+        shown = f" (rel_l2 {error:.2g})" if error is not None else ""
+        message = (
+            f"{display_path(row.path)}: the hand-off from {_ranks(senders)} to {_ranks(receivers)}: "
+            f"{display_path(given.path)}'s output on {_ranks(senders)} agrees with the reference, "
+            f"{display_path(inner.path)}'s input on {_ranks(receivers)} does not{shown}: what was sent is not "
+            "what the next stage received, or not the value it should have sent"
+        )
+        evidence = {"sender": given.path, "receiver": inner.path, "input_rel_l2": error}
+        ranks = sorted({*senders, *receivers})
+        return RankFinding(row.path, "handoff", ranks, message, inner.candidate.key, inner.candidate.slot,
+                           "stage", evidence)  # fmt: skip
+    return None
+
+
+def _holders(merged: MergedTrace, key: str, slot: str) -> list[int] | None:
+    merge = merged.slot(key, slot)
+    return merge.holders if merge is not None else None
 
 
 def _constant_offset(row: Row, merged: MergedTrace, reference: Trace) -> float | None:
@@ -180,5 +236,5 @@ def _ranks(ranks: list[int]) -> str:
 def _errors(merge: SlotMerge, ranks: list[int] | None = None) -> str:
     if merge.errors is None:
         return "no reference value"
-    chosen = range(len(merge.errors)) if ranks is None else ranks
-    return ", ".join(f"rank {rank} rel_l2 {merge.errors[rank]:.2g}" for rank in chosen)
+    pairs = zip(merge.holders, merge.errors, strict=True)
+    return ", ".join(f"rank {rank} rel_l2 {error:.2g}" for rank, error in pairs if ranks is None or rank in ranks)

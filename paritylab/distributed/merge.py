@@ -1,8 +1,16 @@
 """Reassemble the per-rank traces of a distributed candidate into one trace comparable to a one-device reference.
 
-Every rank traced the same module calls (keys ``path#n``), each holding its own piece of every activation. For
-each tensor slot of each call, inputs and outputs alike, the ranks' pieces are combined by the first rule that
-applies (:class:`SlotMerge.rule`):
+Every rank traced module calls (keys ``path#n``). Under tensor or data parallelism every rank makes the same calls,
+each holding its own piece of every activation; under pipeline parallelism a rank makes only its stage's calls
+(a module that exists on some ranks only). The merged trace holds the union of the ranks' calls, each call built
+from the ranks that made it, in an order every rank's own order agrees with (:func:`call_order`). For each tensor
+slot of each call, inputs and outputs alike, the pieces of the ranks that hold the slot are combined by the first
+rule that applies (:class:`SlotMerge.rule`):
+
+``stage``
+    One rank alone holds the slot (it alone made the call, or the others' call returned no tensor there, as a
+    pipeline's root returns nothing on the stages before the last): that rank's value. The other rules below
+    apply to the ranks that hold the slot, when several do.
 
 ``shard`` / ``replicate`` / ``partial``
     The slot was a DTensor on the ranks (:mod:`.placements`): its placement says how the pieces make the
@@ -78,6 +86,9 @@ class SlotMerge:
     """Each rank's shape, in rank order."""
     refs: list[str | None]
     """Each rank's tensor reference in its own trace (:meth:`MergedTrace.rank_value` reads it)."""
+    ranks: list[int] | None = None
+    """The ranks that hold the slot when not every rank does (a pipeline stage's); ``errors``, ``agrees`` and
+    ``holds`` are then in the order of these ranks. ``None``: every rank."""
     reference_shape: list[int] | None = None
     dim: int | None = None
     """The concatenation dimension (``shard``, ``concat``)."""
@@ -95,6 +106,11 @@ class SlotMerge:
     chosen: int | None = None
     """``disagree``: the rank whose value the merged trace holds."""
     note: str = ""
+
+    @property
+    def holders(self) -> list[int]:
+        """The ranks whose pieces ``errors``, ``agrees`` and ``holds`` describe, in their order."""
+        return list(self.ranks) if self.ranks is not None else list(range(len(self.shapes)))
 
     def to_json(self) -> dict[str, Any]:
         return {key: value for key, value in vars(self).items() if value is not None and value != ""}
@@ -177,18 +193,14 @@ def merge_ranks(
     """
     ranks = [Trace.load(path) for path in rank_directories]
     _check_ranks(ranks, rank_directories)
+    order = call_order([trace.keys for trace in ranks])
     merger = _Merger(ranks, [read_placements(path) for path in rank_directories], reference, directory,
-                     tolerances or Tolerances(), tuple(partial_outputs))  # fmt: skip
+                     tolerances or Tolerances(), tuple(partial_outputs), order)  # fmt: skip
     try:
-        calls = [merger.call(call) for call in ranks[0].calls]
+        calls = [merger.call(key) for key in order]
     finally:
         merger.store.close()
-    first = set(ranks[0].keys)
-    for rank, trace in enumerate(ranks[1:], start=1):
-        extra = [key for key in trace.keys if key not in first]
-        if extra:  # the merged trace follows rank 0's calls: these are in no row
-            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-            merger.notes.append(f"rank {rank} made calls rank 0 did not: {shown}")
+    merger.note_partial_calls()
     trace = Trace(calls=calls, meta=merger.meta(), captures=merger.captures(), directory=directory)
     trace.files = {ref: (name, ref) for ref, name in merger.store.files.items()}
     trace.save(directory)
@@ -220,6 +232,7 @@ class _Merger:
         directory: Path,
         tolerances: Tolerances,
         partial_outputs: tuple[str, ...],
+        order: Sequence[str],
     ) -> None:
         self.ranks = ranks
         self.placements = placements
@@ -227,6 +240,12 @@ class _Merger:
         self.tolerances = tolerances
         self.partial_outputs = partial_outputs
         self.by_key = [{call.key: call for call in trace.calls} for trace in ranks]
+        self.position = {key: index for index, key in enumerate(order)}
+        """Call key -> its index in the merged trace."""
+        self.rank_keys = [{call.index: call.key for call in trace.calls} for trace in ranks]
+        """Per rank: its call indices -> keys (a rank's ``parent`` and ``from`` are its own indices)."""
+        self.partial_calls: dict[tuple[int, ...], list[str]] = {}
+        """Calls some ranks made and others did not, by the ranks that made them."""
         self.reference_keys = {call.key: call for call in reference.calls} if reference is not None else {}
         self.store = TensorStore(directory, pending_bytes=0, metadata={"producer": "paritylab.distributed.merge"})
         self.slots: dict[tuple[str, str], SlotMerge] = {}
@@ -240,30 +259,42 @@ class _Merger:
 
     # -- calls -------------------------------------------------------------------------------------------
 
-    def call(self, first: CallRecord) -> CallRecord:
-        others = [calls.get(first.key) for calls in self.by_key]
-        missing = [rank for rank, call in enumerate(others) if call is None]
-        if missing:
-            self.notes.append(f"{first.key} was not called on rank {', '.join(map(str, missing))}")
+    def call(self, key: str) -> CallRecord:
+        """The merged call ``key``, built from the ranks that made it."""
+        made = [calls.get(key) for calls in self.by_key]
+        holders = [rank for rank, call in enumerate(made) if call is not None]
+        first = made[holders[0]]
+        assert first is not None
+        if len(holders) < len(made):
+            self.partial_calls.setdefault(tuple(holders), []).append(key)
         record = CallRecord(
-            index=first.index, path=first.path, call_index=first.call_index, cls=first.cls,
-            parent=first.parent, depth=first.depth,
+            index=self.position[key], path=first.path, call_index=first.call_index, cls=first.cls,
+            parent=self._merged_index(holders[0], first.parent), depth=first.depth,
         )  # fmt: skip
-        errors = [(rank, call.error) for rank, call in enumerate(others) if call is not None and call.error]
+        errors = [(rank, call.error) for rank, call in enumerate(made) if call is not None and call.error]
         if errors:
             record.error = "; ".join(f"rank {rank}: {error}" for rank, error in errors)
-        reference = self.reference_keys.get(first.key)
-        primary = {first_tensor_slot(first.inputs, "inputs"), first_tensor_slot(first.outputs, "outputs")} - {None}
-        self._primary = {slot: None for slot in primary if slot is not None}
+        reference = self.reference_keys.get(key)
+        self._primary = {}
         for side in ("inputs", "outputs"):
-            node = getattr(first, side)
-            if node is None:
-                continue
-            setattr(record, side, self._node(first, others, reference, side, node))
-        flagged = all(call is not None and call.identity for call in others)
+            setattr(record, side, self._node(record, made, reference, side))
+        flagged = all(call.identity for call in made if call is not None)
         record.identity = flagged and self._returns_its_input(record)
         self._primary = {}
         return record
+
+    def _merged_index(self, rank: int, index: Any) -> int | None:
+        """The merged trace's index of the call rank ``rank`` numbers ``index`` (``None`` when there is none)."""
+        key = self.rank_keys[rank].get(index) if isinstance(index, int) else None
+        return self.position.get(key) if key is not None else None
+
+    def note_partial_calls(self) -> None:
+        """One note per set of ranks that alone made some calls (a pipeline's stages), with examples."""
+        for holders, keys in sorted(self.partial_calls.items()):
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            only = ("rank " if len(holders) == 1 else "ranks ") + ", ".join(map(str, holders))
+            calls = f"{len(keys)} call" + ("s" if len(keys) > 1 else "")
+            self.notes.append(f"{calls} made on {only} only ({shown}): merged from the ranks that made them")
 
     def _returns_its_input(self, record: CallRecord) -> bool:
         """Whether the merged call's primary output is its primary input: the same merged tensor, or equal
@@ -281,25 +312,29 @@ class _Merger:
         return value_in is not None and value_out is not None and same_values(value_in, value_out)
 
     def _node(
-        self,
-        first: CallRecord,
-        others: list[CallRecord | None],
-        reference: CallRecord | None,
-        side: str,
-        node: Node,
-    ) -> Node:
-        """A copy of rank 0's value tree with every tensor leaf replaced by its merged node."""
-        pieces = [dict(iter_tensors(getattr(call, side), side)) if call is not None else {} for call in others]
+        self, record: CallRecord, made: list[CallRecord | None], reference: CallRecord | None, side: str
+    ) -> Node | None:
+        """The value tree of the rank holding the most tensors on this side (rank 0's when they hold as many),
+        with every tensor leaf replaced by its merged node; ``None`` when no rank has this side."""
+        trees = [getattr(call, side) if call is not None else None for call in made]
+        pieces = [dict(iter_tensors(tree, side)) if tree is not None else {} for tree in trees]
+        candidates = [rank for rank, tree in enumerate(trees) if tree is not None]
+        if not candidates:
+            return None
+        base = max(candidates, key=lambda rank: (len(pieces[rank]), -rank))
         wanted = dict(iter_tensors(getattr(reference, side), side)) if reference is not None else {}
-        merged = copy.deepcopy(node)
+        merged = copy.deepcopy(trees[base])
+        primary = first_tensor_slot(merged, side)
+        if primary is not None:
+            self._primary[primary] = None
         for slot, leaf in iter_tensors(merged, side):
             nodes = [found.get(slot) for found in pieces]
-            new_leaf, record = self._slot(first, slot, nodes, wanted.get(slot))
+            new_leaf, slot_record = self._slot(record, slot, nodes, wanted.get(slot))
             leaf.clear()
             leaf.update(new_leaf)
-            self.slots[(first.key, slot)] = record
+            self.slots[(record.key, slot)] = slot_record
             if "ref" in new_leaf:
-                self.refs[(first.key, slot)] = new_leaf["ref"]
+                self.refs[(record.key, slot)] = new_leaf["ref"]
         return merged
 
     # -- slots -------------------------------------------------------------------------------------------
@@ -310,35 +345,37 @@ class _Merger:
         """The merged leaf of one slot (written to the store) and its record; a slot whose pieces and reference
         were merged before (the same tensors under another call, as a module's output is its parent's) reuses
         that merge."""
+        present = [rank for rank, node in enumerate(nodes) if node is not None]
+        holders = present if len(present) < len(nodes) else None
         refs = [node.get("ref") if node is not None else None for node in nodes]
-        base: Node = next((node for node in nodes if node is not None), {})
-        own: Node = {
-            key: base[key] for key in ("from", "device") if key in base
-        }  # this call's data flow, not the memo's
+        base: Node = nodes[present[0]] or {}
+        own: Node = {key: base[key] for key in ("device",) if key in base}  # this call's data flow, not the memo's
+        made = self._merged_index(present[0], base.get("from"))
+        if made is not None:
+            own["from"] = made
         wanted_dtype = str((wanted or base).get("dtype", "float32"))
         tolerance = self.tolerances.resolve(call.path, str(base.get("dtype", "float32")), wanted_dtype)
-        placement = self._placement(call.key, slot)
+        placement = self._placement(call.key, slot, present)
         declared = self._declared_partial(call, slot)
         wanted_ref, wanted_shape = (wanted or {}).get("ref"), tuple((wanted or {}).get("shape") or ())
         memo_key = (tuple(refs), wanted_ref, wanted_shape, tolerance, json.dumps(placement), declared)
-        done = self._done.get(memo_key) if None not in refs else None
+        done = self._done.get(memo_key) if all(refs[rank] is not None for rank in present) else None
         if done is not None:
             leaf = {key: value for key, value in done[0].items() if key not in ("from", "device")}
             return {**leaf, **own}, SlotMerge(**{**vars(done[1]), "call": call.key, "slot": slot})
         shapes = [list(node.get("shape", [])) if node is not None else [] for node in nodes]
-        record = SlotMerge(call.key, slot, "missing", shapes, refs, list(wanted_shape) if wanted else None)
-        leaf = {"t": "tensor", "shape": shapes[0], "dtype": base.get("dtype", "float32"), **own}
-        values = [self.ranks[rank].tensor(node) if node is not None else None for rank, node in enumerate(nodes)]
-        absent = [rank for rank, value in enumerate(values) if value is None]
+        record = SlotMerge(call.key, slot, "missing", shapes, refs, holders, list(wanted_shape) if wanted else None)
+        leaf = {"t": "tensor", "shape": shapes[present[0]], "dtype": base.get("dtype", "float32"), **own}
+        values = [self.ranks[rank].tensor(nodes[rank]) for rank in present]  # type: ignore[arg-type]
+        absent = [rank for rank, value in zip(present, values, strict=True) if value is None]
         if absent:
-            reasons = sorted({str(n.get("skipped")) for n in nodes if n is not None and n.get("skipped")})
+            reasons = sorted({str(nodes[rank].get("skipped")) for rank in absent if nodes[rank].get("skipped")})  # type: ignore[union-attr]
             record.note = f"no value on rank {', '.join(map(str, absent))}"
-            record.note += f" ({'; '.join(reasons)})" if reasons else " (the call or the slot is not in its trace)"
+            record.note += f" ({'; '.join(reasons)})" if reasons else " (the slot is not in its trace)"
             leaf["skipped"] = record.note
             return leaf, record
         expected = self.reference.tensor(wanted) if self.reference is not None and wanted is not None else None
-        present = [value for value in values if value is not None]
-        value = _Rules(record, present, expected, tolerance, placement, declared).apply()
+        value = _Rules(record, values, expected, tolerance, placement, declared).apply()  # type: ignore[arg-type]
         if value is None:
             leaf["skipped"] = record.note or "not merged"
             return leaf, record
@@ -357,9 +394,9 @@ class _Merger:
         self._done[memo_key] = (dict(leaf), record)
         return leaf, record
 
-    def _placement(self, key: str, slot: str) -> list[SlotPlacement] | None:
-        """The slot's DTensor placement as every rank recorded it (``None`` unless all ranks recorded one)."""
-        found = [ranks.get(key, {}).get(slot) for ranks in self.placements]
+    def _placement(self, key: str, slot: str, holders: Sequence[int]) -> list[SlotPlacement] | None:
+        """The slot's DTensor placement as every rank holding it recorded it (``None`` unless all did)."""
+        found = [self.placements[rank].get(key, {}).get(slot) for rank in holders]
         if any(item is None for item in found):
             return None
         return found  # type: ignore[return-value]
@@ -425,6 +462,11 @@ class _Rules:
 
     def apply(self) -> torch.Tensor | None:
         """The merged value (``None``: none can be made); the record says which rule and why."""
+        if self.record.ranks is not None and len(self.values) == 1:
+            self.record.rule = "stage"
+            self.record.note = f"rank {self.record.ranks[0]} alone holds this value"
+            self._judge_whole()
+            return self.values[0]
         if self.placement is not None:
             placed = self._by_placement(self.placement)
             if placed is not None:
@@ -566,6 +608,28 @@ class _Rules:
             return (0.0 if same else 1.0), same
         metrics = divergence(expected, value, self.tolerance)
         return float(metrics["rel_l2"]), within(metrics)
+
+
+def call_order(orders: Sequence[Sequence[str]]) -> list[str]:
+    """Every rank's call keys in one order that keeps each rank's own: rank 0's calls, then each further
+    rank's calls not yet placed, each put just before the next call of that rank that is (at the end when none
+    is). A pipeline's stages, whose calls follow one another rank after rank, come out in stage order."""
+    merged: list[str] = list(orders[0]) if orders else []
+    for order in orders[1:]:
+        placed = set(merged)
+        before: dict[str, list[str]] = {}
+        pending: list[str] = []
+        for key in order:
+            if key in placed:
+                if pending:
+                    before.setdefault(key, []).extend(pending)
+                    pending = []
+            else:
+                pending.append(key)
+        if not before and not pending:
+            continue
+        merged = [new for key in merged for new in (*before.get(key, ()), key)] + pending
+    return merged
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
