@@ -9,6 +9,7 @@ a chosen piece), where every layout and failure can be set exactly.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -618,4 +619,40 @@ def test_a_pipeline_split_llama_passes_and_stage_defects_are_named_by_module_and
     assert handoff.message.startswith(
         "model: the hand-off from rank 0 to rank 1: model.layers.1's output on rank 0 agrees with the reference, "
         "model.layers.2's input on rank 1 does not"
+    )
+
+
+def test_ranks_launched_by_torchrun_are_traced_by_trace_rank_and_merged_by_paritylab_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A launch paritylab does not control: ``torchrun`` runs experiments/torchrun_tp.py on 2 gloo ranks, each
+    tracing its forward with ``trace_rank``; ``paritylab-compare REFERENCE RANKS`` merges the rank folders and
+    names the module and rank 1. A folder missing a rank's trace is refused in one line."""
+    import shutil
+
+    from paritylab.cli.compare import main as compare_main
+
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "experiments.torchrun_tp", str(out), "--defect", "rank1_scaled", "--layer", "1",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    launched = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=root, env=env)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    assert Trace.load(out / "ranks" / "rank1").meta["world_size"] == "2"
+    assert Trace.load(out / "ranks" / "rank1").meta["backend"] == "gloo"
+    assert compare_main([str(out / "reference"), str(out / "ranks")]) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL: divergence starts at model.layers.1.mlp.down_proj (rel_l2 0.5)" in printed
+    assert (
+        "paritylab-compare: ranks (rank): model.layers.1.mlp.down_proj (outputs): rank 1's value differs from the "
+        "reference's (rank 1 rel_l2 0.5); rank 0's agrees"
+    ) in printed
+    assert (out / "ranks" / "merged" / "candidate" / "merge.json").is_file()
+    shutil.rmtree(out / "ranks" / "rank1")
+    assert compare_main([str(out / "reference"), str(out / "ranks")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"paritylab-compare: {out / 'ranks' / 'rank0'} was traced with world size 2, but 1 rank traces were given"
     )

@@ -15,6 +15,8 @@ from pathlib import Path
 from paritylab.comparison.alignment import AlignmentError, load_rules
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import compare_traces
+from paritylab.distributed import DistributedError, compare_ranks
+from paritylab.distributed.rank import rank_directories
 from paritylab.reports.render import to_console, to_json, to_markdown
 from paritylab.tracing.storage import StorageError
 from paritylab.tracing.tracefile import Trace, TraceFormatError
@@ -23,6 +25,9 @@ EPILOG = """\
 trace directories it reads:
   - paritylab's own (trace.json and safetensors shards: a run's traces/reference and traces/candidate);
   - a trace whose run was killed (a .partial journal): recovered into the trace's own files first;
+  - as the candidate, a folder of rank traces (rank0/, rank1/, ... as paritylab.distributed.trace_rank writes
+    them under torchrun or Slurm): merged into one trace (in --merged, default CANDIDATE/merged) and the rank
+    at fault named;
   - transformers' model_addition_debugger_context output ({Model}_debug_tree_SUMMARY.json and
     {Model}_debug_tree_FULL_TENSORS.json, with one .safetensors file per module).
 
@@ -54,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", type=Path, help="write the report as markdown here")
     parser.add_argument("--write-alignment", type=Path, help="write the alignment used as rules YAML here")
     parser.add_argument("--all-rows", action="store_true", help="print every row, not only the interesting ones")
+    parser.add_argument("--merged", type=Path, help="rank traces: where the merged trace goes (CANDIDATE/merged)")
+    parser.add_argument(
+        "--partial-output", action="append", default=[], metavar="PATTERN",
+        help="rank traces: a module pattern whose plain outputs are partial sums by design (repeatable)",
+    )  # fmt: skip
     return parser
 
 
@@ -62,12 +72,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rules = load_rules(args.align) if args.align else []
         reference = Trace.load(args.reference)
-        candidate = Trace.load(args.candidate)
-        report = compare_traces(reference, candidate, rules=rules, tolerances=Tolerances(args.rtol, args.atol))
-    except (TraceFormatError, StorageError, AlignmentError, ValueError, OSError) as error:
+        tolerances = Tolerances(args.rtol, args.atol)
+        ranks = rank_directories(args.candidate)
+        finding = None
+        if ranks is not None:
+            merged = args.merged or args.candidate / "merged"
+            result = compare_ranks(reference, ranks, merged, rules=rules, tolerances=tolerances,
+                                   partial_outputs=args.partial_output)  # fmt: skip
+            report, finding = result.report, result.finding
+        else:
+            candidate = Trace.load(args.candidate)
+            report = compare_traces(reference, candidate, rules=rules, tolerances=tolerances)
+    except (TraceFormatError, StorageError, AlignmentError, DistributedError, ValueError, OSError) as error:
         print(f"paritylab-compare: {error}", file=sys.stderr)
         return 2
     print(to_console(report, limit=None if args.all_rows else 60))
+    if ranks is not None:
+        merged_into = (args.merged or args.candidate / "merged") / "candidate"
+        print(f"paritylab-compare: {len(ranks)} ranks merged into {merged_into}")
+    if finding is not None:
+        print(f"paritylab-compare: ranks ({finding.kind}): {finding.message}")
     for path, text in ((args.json, to_json), (args.markdown, to_markdown)):
         if path is not None:
             path.write_text(text(report), encoding="utf-8")

@@ -10,6 +10,9 @@ trace of whole tensors (:mod:`.merge`: by DTensor placements where recorded, els
 which paritylab's comparison judges as it judges any candidate; the first divergence is then attributed to ranks
 and to a kind of split defect (:mod:`.localise`). See ``docs/distributed.md``.
 
+Ranks launched by something else (``torchrun``, Slurm, several hosts, NCCL) trace themselves with
+:func:`trace_rank`; :func:`compare_ranks` (or ``paritylab-compare REFERENCE RANKS_DIR``) merges their folders.
+
 Layering: this package uses ``tracing`` and ``comparison`` only; the Hydra run (``paritylab.run``) sits above it
 and runs a ``candidate.kind=distributed`` through :func:`compare_ranks` (``paritylab/run/distributed_phase.py``).
 """
@@ -38,6 +41,7 @@ from paritylab.distributed.launch import (
 )
 from paritylab.distributed.localise import RankFinding, localise
 from paritylab.distributed.merge import MergedTrace, SlotMerge, merge_ranks
+from paritylab.distributed.rank import rank_directories, trace_rank
 from paritylab.tracing.files import write_json
 from paritylab.tracing.tracefile import TRACE_FILE, Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
@@ -55,7 +59,9 @@ __all__ = [
     "check_variants",
     "compare_ranks",
     "merge_ranks",
+    "rank_directories",
     "run_ranks",
+    "trace_rank",
 ]
 
 SUMMARY_FILE = "distributed.json"

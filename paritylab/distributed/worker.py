@@ -1,7 +1,7 @@
 """One rank of a distributed candidate: ``python -m paritylab.distributed.worker <launch.json> <rank>``.
 
 Joins the process group (the launcher's store), builds the rank's share of the candidate with the user's
-builder, runs the forward under paritylab's :class:`~paritylab.tracing.tracer.Tracer` into ``rank<k>/`` (rank and
+builder, runs the forward under :func:`~paritylab.distributed.rank.trace_rank` into ``rank<k>/`` (rank and
 world size in the trace's meta) and records the DTensor placements it sees at module boundaries
 (:mod:`paritylab.distributed.placements`). ``status.json`` says how far it got at every step, so a rank that
 is stopped or dies can still be described; a failure also ends the process at once (``os._exit``), so the
@@ -30,9 +30,9 @@ from paritylab.distributed.launch import (
     load_tensors,
     resolve,
 )
-from paritylab.distributed.placements import PlacementRecorder
+from paritylab.distributed.rank import trace_rank
 from paritylab.tracing.files import write_json
-from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.tracefile import Trace
 
 
 class _Status:
@@ -93,7 +93,7 @@ def run(spec: LaunchSpec, rank: int) -> None:
 
 def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Status, context: RankContext) -> None:
     folder = spec.rank_directory(rank, variant)
-    tracer: Tracer | None = None
+    trace: Trace | None = None
     try:
         status.enter("build")
         model = resolve(spec.builder)(context)
@@ -102,8 +102,9 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
         inputs = load_tensors(spec.directory / INPUTS_FILE)
         call = resolve(spec.call, "call") if spec.call else None
         status.enter("forward")
-        tracer = Tracer(model, folder, TraceOptions(**_trace_options(spec, rank)))
-        with PlacementRecorder(model, folder), tracer:
+        metadata = {"backend": spec.backend, "builder": spec.builder}
+        with trace_rank(model, spec.directory, rank=rank, world_size=spec.world_size, options=spec.trace,
+                        folder=folder, metadata=metadata) as trace:  # fmt: skip
             if call is not None:
                 call(model, inputs, **spec.call_kwargs)
             else:
@@ -111,7 +112,7 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
         status.enter("done")
         status.finish()
     except BaseException as error:
-        raised = tracer.trace.meta.get("error") if tracer is not None else None
+        raised = trace.meta.get("error") if trace is not None else None
         status.finish(error, raised.get("module") if isinstance(raised, dict) else None)
         raise
 
@@ -119,18 +120,6 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
 def _weights(spec: LaunchSpec) -> Path | None:
     weights = spec.directory / WEIGHTS_FILE
     return weights if weights.is_file() else None
-
-
-def _trace_options(spec: LaunchSpec, rank: int) -> dict[str, Any]:
-    """The rank's trace options: the spec's, with tensors saved, rank and world size in the meta, and no
-    parameter fingerprints (a DTensor parameter cannot be hashed as a whole on one rank)."""
-    options = dict(spec.trace)
-    saved = options.pop("save_dtype", None)
-    if saved is not None:
-        options["save_dtype"] = getattr(torch, str(saved))
-    metadata = {str(k): str(v) for k, v in dict(options.pop("metadata", {}) or {}).items()}
-    metadata.update(rank=str(rank), world_size=str(spec.world_size), backend=spec.backend, builder=spec.builder)
-    return {**options, "save_tensors": True, "fingerprint": False, "metadata": metadata}
 
 
 def main(argv: list[str] | None = None) -> int:
