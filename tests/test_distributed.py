@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,8 @@ def test_tensor_parallel_llama_defects_are_named_by_module_and_rank(tmp_path: Pa
     assert rank1.finding is not None and rank1.finding.module == "model.layers.1.mlp.down_proj"
     assert rank1.finding.kind == "rank" and rank1.finding.ranks == [1]
     assert rank1.finding.evidence["rank_errors"][0] < 1e-5 < rank1.finding.evidence["rank_errors"][1]
+    after = next(row for row in rank1.report.rows if row.path == "model.layers.1")  # rank 1's value carried on
+    assert re.search(r"per rank: rank 0 agrees \(rel_l2 [0-9.e-]+\), rank 1 differs \(rel_l2 0\.\d+\)", after.note)
     assert json.loads((tmp_path / "rank1" / "distributed.json").read_text())["finding"]["ranks"] == [1]
 
 

@@ -39,7 +39,7 @@ from paritylab.distributed.launch import (
     run_ranks,
     state_dict_of,
 )
-from paritylab.distributed.localise import RankFinding, localise
+from paritylab.distributed.localise import RankFinding, annotate_ranks, localise
 from paritylab.distributed.merge import MergedTrace, SlotMerge, merge_ranks
 from paritylab.distributed.rank import rank_directories, trace_rank
 from paritylab.tracing.files import write_json
@@ -235,6 +235,7 @@ def compare_ranks(
         reference, merged.trace, rules=rules, tolerances=tolerances, noise_multiple=noise_multiple, pinned=pinned
     )
     finding = localise(report, merged, launch, reference)
+    annotate_ranks(report, merged)
     result = DistributedResult(report, reference, merged, finding, directory, launch)
     write_json(directory / SUMMARY_FILE, result.summary(), indent=1)
     return result

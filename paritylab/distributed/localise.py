@@ -90,6 +90,27 @@ def localise(report: Report, merged: MergedTrace, launch: LaunchResult | None, r
     return finding
 
 
+def annotate_ranks(report: Report, merged: MergedTrace) -> int:
+    """Add to each compared row whose ranks' pieces disagree with one another in how they compare with the
+    reference (some agree, some do not) a note with every rank's error, so the report shows per-rank detail
+    where ranks differ. Returns how many rows were annotated."""
+    count = 0
+    for row in report.rows:
+        if row.candidate is None or row.status != "compared":
+            continue
+        merge = merged.slot(row.candidate.key, row.candidate.slot or "")
+        if merge is None or merge.agrees is None or merge.errors is None or len(set(merge.agrees)) < 2:
+            continue
+        pieces = zip(merge.holders, merge.agrees, merge.errors, strict=True)
+        line = "per rank: " + ", ".join(
+            f"rank {rank} {'agrees' if ok else 'differs'} (rel_l2 {error:.2g})" for rank, ok, error in pieces
+        )
+        if line not in row.note:
+            row.note = "; ".join(filter(None, [row.note, line]))
+            count += 1
+    return count
+
+
 def _error_finding(report: Report, launch: LaunchResult | None) -> RankFinding:
     culprit = launch.culprit() if launch is not None else None
     if culprit is not None and launch is not None:
