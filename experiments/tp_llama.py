@@ -10,6 +10,9 @@ its slice and an all-reduce sums them). transformers' attention reshapes with ``
 rank's local heads unchanged; nothing else is sharded. The attention heads and the intermediate size must
 divide by the world size.
 
+``options["mesh"] = [dp, tp]`` runs it on a 2-D mesh: tensor parallel over ``tp`` consecutive ranks, inside
+``dp`` replicas fed the same inputs.
+
 ``options["defect"]`` plants one of the bugs that live in a split (``DEFECTS``), so the test suite and a reader
 can see what paritylab says about each; without it (or ``null``) the port is correct. On the command line:
 ``+candidate.options.defect=rank1_scaled +candidate.options.layer=1``.
@@ -69,15 +72,17 @@ def build(context: RankContext) -> nn.Module:
             "config: give it a Llama reference (python -m paritylab model=llama candidate=tp)"
         )
     config = LlamaConfig.from_dict(given)
+    mesh = _tp_mesh(context, options.get("mesh"))
+    size = mesh.size()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % context.world_size or kv_heads % context.world_size or config.intermediate_size % context.world_size:
+    if heads % size or kv_heads % size or config.intermediate_size % size:
         raise ValueError(
             f"{heads} attention heads, {kv_heads} key/value heads and an intermediate size of "
-            f"{config.intermediate_size} must all divide by the world size {context.world_size}"
+            f"{config.intermediate_size} must all divide by the tensor-parallel size {size}"
         )
     model = LlamaForCausalLM(config).eval()
     model.load_state_dict(context.state_dict())
-    parallelize_module(model, context.mesh(), tp_plan(config.num_hidden_layers, defect=defect, layer=layer))
+    parallelize_module(model, mesh, tp_plan(config.num_hidden_layers, defect=defect, layer=layer))
     block = model.model.layers[layer]
     if defect == "bias_every_rank":
         _bias_on_every_rank(block.mlp.down_proj, context)
@@ -90,6 +95,19 @@ def build(context: RankContext) -> nn.Module:
     return model
 
 
+def _tp_mesh(context: RankContext, shape: Any) -> Any:
+    """The tensor-parallel mesh: all ranks (1-D, the default), or with ``options["mesh"] = [dp, tp]`` the ``tp``
+    dimension of a 2-D ``(dp, tp)`` mesh (tensor parallel inside ``dp`` replicas, consecutive ranks sharding)."""
+    if shape is None:
+        return context.mesh()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = tuple(int(item) for item in shape)
+    if len(sizes) != 2 or sizes[0] * sizes[1] != context.world_size:
+        raise ValueError(f"options['mesh']={list(shape)} must be [dp, tp] with dp * tp = {context.world_size} ranks")
+    return init_device_mesh("cpu", sizes, mesh_dim_names=("dp", "tp"))["tp"]
+
+
 def _bias_on_every_rank(linear: nn.Module, context: RankContext) -> None:
     """Make the row-parallel ``linear``'s bias a partial sum of full copies: every rank adds the whole bias to its
     partial product, and the all-reduce then sums world_size biases (RowwiseParallel keeps it replicated, so it
@@ -98,7 +116,7 @@ def _bias_on_every_rank(linear: nn.Module, context: RankContext) -> None:
     if not isinstance(bias, DTensor):
         raise ValueError("bias_every_rank needs a row-parallel linear with a bias (LlamaConfig(mlp_bias=True))")
     whole = bias.full_tensor().detach()
-    partial = DTensor.from_local(whole, context.mesh(), [Partial()], run_check=False)
+    partial = DTensor.from_local(whole, bias.device_mesh, [Partial()], run_check=False)
     linear.register_parameter("bias", nn.Parameter(partial, requires_grad=False))
 
 
@@ -109,7 +127,9 @@ def _swap_shards(linear: nn.Module, context: RankContext) -> None:
         if not isinstance(parameter, DTensor):
             raise ValueError(f"swapped_gate_shards needs a column-parallel linear; its {name} is not a DTensor")
         whole = parameter.full_tensor().detach()
-        theirs = whole.chunk(context.world_size, dim=0)[context.world_size - 1 - context.rank]
+        mesh = parameter.device_mesh  # the tensor-parallel ranks (all, or one row of a 2-D mesh)
+        size, me = mesh.size(), mesh.get_local_rank()
+        theirs = whole.chunk(size, dim=0)[size - 1 - me]
         with torch.no_grad():
             parameter.to_local().copy_(theirs)
 

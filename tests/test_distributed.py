@@ -252,6 +252,39 @@ def test_one_rank_s_wrong_shard_names_that_rank(tmp_path: Path) -> None:
     assert "ranks 0, 1's agrees" in result.finding.message
 
 
+def test_replicas_of_a_sharding_on_a_2d_mesh_merge_and_a_wrong_replica_is_named(tmp_path: Path) -> None:
+    """4 ranks as 2 replicas of 2 shards (tensor parallel inside data parallel, fed the same inputs): consecutive
+    ranks shard (rank r holds r % 2) or ranks 2 apart do (r // 2); a replica that differs is named, and
+    shards out of order in every replica are said to be."""
+    left, right = WHOLE.chunk(2, dim=-1)
+    for name, pieces, layout in (
+        ("inner", [left, right, left, right], [0, 1, 0, 1]),
+        ("outer", [left, left, right, right], [0, 0, 1, 1]),
+    ):
+        reference, ranks = _traced_ranks(tmp_path / name, pieces)
+        result = compare_ranks(reference, ranks, tmp_path / name / "out")
+        merge = result.candidate.slot("first#0", "outputs")
+        assert result.verdict == "pass" and merge is not None, name
+        assert (merge.rule, merge.dim, merge.parts, merge.agrees) == ("concat", 2, layout, [True] * 4)
+        assert merge.note.startswith("4 ranks as 2 replicas of 2 shards (rank r holds shard r")
+    reference, ranks = _traced_ranks(tmp_path / "wrong", [left, right, left, right * 1.5])
+    result = compare_ranks(reference, ranks, tmp_path / "wrong" / "out")
+    merge = result.candidate.slot("first#0", "outputs")  # each part from its worst replica: a check passes only if
+    assert merge is not None and merge.agrees == [True, True, True, False]  # every replica's piece passes
+    assert result.verdict == "fail" and result.finding is not None
+    assert (result.finding.module, result.finding.kind, result.finding.ranks) == ("first", "rank", [3])
+    assert "rank 3's shard differs from the reference's (rank 3 rel_l2 0.5); ranks 0, 1, 2's agrees" in (
+        result.finding.message
+    )
+    reference, ranks = _traced_ranks(tmp_path / "order", [right, left, right, left])
+    result = compare_ranks(reference, ranks, tmp_path / "order" / "out")
+    assert result.finding is not None and (result.finding.kind, result.finding.ranks) == ("shard-order", [0, 1, 2, 3])
+    assert (
+        "rank 0 holds part 1, rank 1 holds part 0, rank 2 holds part 1, rank 3 holds part 0 of the reference's 2"
+        in (result.finding.message)
+    )
+
+
 def test_partial_sums_are_a_missing_all_reduce_unless_declared(tmp_path: Path) -> None:
     share = torch.rand(WHOLE.shape, generator=torch.Generator().manual_seed(2))
     pieces = [WHOLE * share, WHOLE * (1 - share)]
@@ -658,4 +691,31 @@ def test_ranks_launched_by_torchrun_are_traced_by_trace_rank_and_merged_by_parit
     assert compare_main([str(out / "reference"), str(out / "ranks")]) == 2
     assert capsys.readouterr().err.strip() == (
         f"paritylab-compare: {out / 'ranks' / 'rank0'} was traced with world size 2, but 1 rank traces were given"
+    )
+
+
+def test_tensor_parallel_inside_data_parallel_replicas_on_a_2d_mesh(tmp_path: Path) -> None:
+    """4 gloo ranks on a (dp=2, tp=2) mesh, the TP port on the ``tp`` dimension: each replica holds the
+    column-parallel pieces, the merge recognises 2 replicas of 2 shards (placements on a 2-rank sub-mesh fall back
+    to the values); clean passes, shards swapped in every replica are named as shard order on all 4 ranks."""
+    from tests.tiny import token_ids
+
+    reference = _llama()
+    results = check_variants(
+        reference, BUILDER, tmp_path, {"clean": {}, "swapped": {"defect": "swapped_gate_shards", "layer": 1}},
+        world_size=4, inputs={"input_ids": token_ids(batch=2)}, call_kwargs={"use_cache": False},
+        options={"config": reference.config.to_dict(), "mesh": [2, 2]}, timeout_s=240,
+    )  # fmt: skip
+    clean = results["clean"]
+    assert clean.verdict == "pass" and not clean.report.not_compared, clean.summary()
+    q_proj = clean.candidate.slot("model.layers.0.self_attn.q_proj#0", "outputs")
+    assert q_proj is not None and (q_proj.rule, q_proj.dim, q_proj.parts) == ("concat", 2, [0, 1, 0, 1])
+    o_input = clean.candidate.slot("model.layers.0.self_attn.o_proj#0", "inputs.args.0")  # DTensor on the tp mesh
+    assert o_input is not None and (o_input.rule, o_input.parts) == ("concat", [0, 1, 0, 1])
+    assert o_input.note.startswith("placed on a mesh of 2 ranks and held by 4 (a sub-mesh")
+    swapped = results["swapped"]
+    assert swapped.verdict == "fail" and swapped.report.first_divergence.path == "model.layers.1.mlp.gate_proj"
+    assert swapped.finding is not None and (swapped.finding.kind, swapped.finding.ranks) == (
+        "shard-order",
+        [0, 1, 2, 3],
     )

@@ -145,12 +145,15 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
         return RankFinding(row.path, "partial-sum", every, message, evidence=evidence, **base)
     if merge.rule in ("concat", "shard") and merge.holds is not None and agrees is not None:
         holds = merge.holds
-        moved = [every[at] for at, part in enumerate(holds) if part is not None and part != at]
+        own = merge.parts or list(range(len(holds)))
+        moved = [every[at] for at, part in enumerate(holds) if part is not None and part != own[at]]
         if moved and all(part is not None for part in holds):
-            placed = ", ".join(f"rank {every[at]} holds part {part}" for at, part in enumerate(holds) if part != at)
+            placed = ", ".join(
+                f"rank {every[at]} holds part {part}" for at, part in enumerate(holds) if part != own[at]
+            )
             message = (
                 f"{where}: shards out of order along dim {merge.dim}: {placed} of the reference's "
-                f"{merged.world_size} (each piece is right, its place is not)"
+                f"{len(set(own))} (each piece is right, its place is not)"
             )
             evidence["holds"] = holds
             return RankFinding(row.path, "shard-order", moved, message, evidence=evidence, **base)

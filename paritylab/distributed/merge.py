@@ -21,7 +21,12 @@ rule that applies (:class:`SlotMerge.rule`):
     Every rank holds the same value, bit for bit: that value.
 ``concat``
     Every rank's shape differs from the reference's along one and the same dimension, and the ranks' sizes
-    there add up to the reference's: the pieces concatenated in rank order (what ``Shard(d)`` means).
+    there add up to the reference's: the pieces concatenated in rank order (what ``Shard(d)`` means). On a 2-D
+    mesh (tensor parallel inside data or pipeline parallel replicas fed the same inputs) the ranks are several
+    replicas of one sharding: ``n`` ranks, ``k`` pieces, rank ``r`` holding piece ``r % k`` (consecutive ranks
+    shard: the mesh's last dimension) or ``r // (n / k)``; the layout whose shapes concatenate to the
+    reference's and whose replicas agree most is taken, the first replica's pieces make the value, and every
+    rank's piece is judged against its part (:attr:`SlotMerge.parts`).
 ``partial``
     Same shape as the reference on every rank, different values, and the module is declared to return a
     partial sum that its caller reduces (``partial_outputs``): the sum.
@@ -100,6 +105,9 @@ class SlotMerge:
     sum_error: float | None = None
     """``disagree``: the ranks' sum against the reference (a missing all-reduce makes it agree)."""
     sum_agrees: bool | None = None
+    parts: list[int] | None = None
+    """For a concatenation of replicated shards (a 2-D mesh): the part of the reference each rank's piece is;
+    ``None``: rank ``r``'s is part ``r``."""
     holds: list[int | None] | None = None
     """For a concatenation whose pieces fail: the reference part each rank's piece does equal (its own index when
     in place; another when the shards are out of order; ``None`` when none)."""
@@ -486,6 +494,9 @@ class _Rules:
             dim = concat_dim(shapes, reference_shape)
             if dim is not None:
                 return self._concat(dim, "concat")
+            replicas = self._replicated_shards(shapes, reference_shape)
+            if replicas is not None:
+                return replicas
         if same and all(same_values(values[0], value) for value in values[1:]):
             record.rule = "replicated"
             self._judge_whole()
@@ -508,6 +519,13 @@ class _Rules:
             return None
         if len(kinds) != 1:
             record.note = f"placed on a {len(kinds)}-D mesh (only 1-D meshes are merged by placement)"
+            return None
+        size = math.prod(int(item) for item in placement[0].get("mesh") or [len(self.values)])
+        if size != len(self.values):
+            record.note = (
+                f"placed on a mesh of {size} ranks and held by {len(self.values)} (a sub-mesh: replicas along "
+                "another mesh dimension)"
+            )
             return None
         kind = kinds[0]
         if kind.get("kind") == "shard":
@@ -544,6 +562,57 @@ class _Rules:
             if not all(record.agrees) and len(values) <= MAX_ORDER_RANKS:
                 record.holds = [self._which_part(value, parts, rank) for rank, value in enumerate(values)]
         return merged
+
+    def _replicated_shards(self, shapes: list[list[int]], reference_shape: list[int]) -> torch.Tensor | None:
+        """The value of ranks that are replicas of one sharding (module docstring, ``concat``), else ``None``."""
+        values, count = self.values, len(self.values)
+        best: tuple[int, int, list[int]] | None = None
+        for pieces in range(2, count):
+            if count % pieces:
+                continue
+            for layout in (
+                [rank % pieces for rank in range(count)],
+                [rank // (count // pieces) for rank in range(count)],
+            ):
+                firsts = [layout.index(part) for part in range(pieces)]
+                if any(shapes[rank] != shapes[firsts[part]] for rank, part in enumerate(layout)):
+                    continue
+                dim = concat_dim([shapes[first] for first in firsts], reference_shape)
+                if dim is None:
+                    continue
+                equal = sum(same_values(values[rank], values[firsts[part]]) for rank, part in enumerate(layout))
+                if best is None or equal > best[0]:
+                    best = (equal, dim, layout)
+        if best is None:
+            return None
+        _, dim, layout = best
+        record = self.record
+        pieces = max(layout) + 1
+        firsts = [layout.index(part) for part in range(pieces)]
+        record.rule, record.dim, record.parts = "concat", dim, layout
+        record.note = (
+            f"{count} ranks as {count // pieces} replicas of {pieces} shards (rank r holds shard "
+            f"{'r % ' + str(pieces) if layout[1] == 1 else 'r // ' + str(count // pieces)}): "
+        )
+        chosen = list(firsts)
+        expected = self.expected
+        shape = list(torch.cat([values[first] for first in firsts], dim=dim).shape)
+        if expected is not None and list(expected.shape) == shape:
+            sizes = [values[first].shape[dim] for first in firsts]
+            starts = [sum(sizes[:part]) for part in range(pieces)]
+            parts = [expected.narrow(dim, start, size) for start, size in zip(starts, sizes, strict=True)]
+            judged = [self._judge(parts[part], values[rank]) for rank, part in enumerate(layout)]
+            record.errors = [error for error, _ in judged]
+            record.agrees = [agrees for _, agrees in judged]
+            for part in range(pieces):  # each part from the replica furthest from the reference, as ``disagree``
+                holders = [rank for rank, own in enumerate(layout) if own == part]
+                chosen[part] = max(holders, key=lambda rank: (_sortable(record.errors[rank]), -rank))  # type: ignore[index]
+            if not all(record.agrees) and count <= MAX_ORDER_RANKS:
+                record.holds = [self._which_part(values[rank], parts, part) for rank, part in enumerate(layout)]
+            record.note += "each shard from the replica furthest from the reference"
+        else:
+            record.note += "the first replica's shards concatenated"
+        return torch.cat([values[rank] for rank in chosen], dim=dim)
 
     def _which_part(self, value: torch.Tensor, parts: list[torch.Tensor], rank: int) -> int | None:
         """The index of the reference part ``value`` equals (its own first), or ``None``."""
