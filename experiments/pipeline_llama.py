@@ -62,8 +62,8 @@ class StageModel(nn.Module):
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
         else:
-            dtype = next(self.layers.parameters()).dtype
-            hidden = torch.empty(*input_ids.shape, self.config.hidden_size, dtype=dtype)
+            weight = next(self.layers.parameters())
+            hidden = torch.empty(*input_ids.shape, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
             dist.recv(hidden, src=self.rank - 1)
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
@@ -116,7 +116,7 @@ def build(context: RankContext) -> nn.Module:
             for name in [name for name in state if name.startswith(prefix)]:
                 state[name] = state[source + name.removeprefix(prefix)]
     model.load_state_dict(state)
-    stage = StageLlama(model, context, defect, layer).eval()
+    stage = StageLlama(model, context, defect, layer).eval().to(context.device)
     if defect == "stage_scaled" and layer in mine:
         block: Any = stage.model.layers[str(layer)]
         block.mlp.down_proj.register_forward_hook(lambda module, args, output: output * 1.5)

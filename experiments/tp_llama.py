@@ -82,6 +82,7 @@ def build(context: RankContext) -> nn.Module:
         )
     model = LlamaForCausalLM(config).eval()
     model.load_state_dict(context.state_dict())
+    model.to(context.device)
     parallelize_module(model, mesh, tp_plan(config.num_hidden_layers, defect=defect, layer=layer))
     block = model.model.layers[layer]
     if defect == "bias_every_rank":
@@ -105,7 +106,7 @@ def _tp_mesh(context: RankContext, shape: Any) -> Any:
     sizes = tuple(int(item) for item in shape)
     if len(sizes) != 2 or sizes[0] * sizes[1] != context.world_size:
         raise ValueError(f"options['mesh']={list(shape)} must be [dp, tp] with dp * tp = {context.world_size} ranks")
-    return init_device_mesh("cpu", sizes, mesh_dim_names=("dp", "tp"))["tp"]
+    return init_device_mesh(context.device.type, sizes, mesh_dim_names=("dp", "tp"))["tp"]
 
 
 def _bias_on_every_rank(linear: nn.Module, context: RankContext) -> None:

@@ -559,6 +559,13 @@ def test_the_command_line_names_a_pipeline_stage_s_hand_off_by_module_and_ranks(
             "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls model(**inputs)",
         ),
         (["candidate.dtype=bfloat16"], "candidate.dtype=bfloat16 is not applied to a distributed candidate"),
+        (["candidate.dist_backend=mpi"], "candidate.dist_backend='mpi' must be gloo (CPU) or nccl (one CUDA device"),
+        pytest.param(
+            ["candidate.dist_backend=nccl"],
+            "candidate.dist_backend=nccl needs one CUDA device per rank and a torch built with NCCL (2 ranks, 0 CUDA "
+            "devices here): use candidate.dist_backend=gloo",
+            marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the CUDA devices"),
+        ),
         (["generate.steps=2"], "generate.steps=2 needs the candidate model in this process"),
         (["compare.noise_floor=on"], "compare.noise_floor=on needs the candidate model in this process"),
     ],

@@ -158,12 +158,20 @@ class RankContext:
 
         return load_file(str(self.weights))
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model and inputs go: the CPU with gloo; with nccl the CUDA device the worker chose for
+        this rank (``torch.cuda.current_device()``)."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def mesh(self) -> Any:
-        """A 1-D ``DeviceMesh`` over all ranks on the CPU (created once), for ``parallelize_module``."""
+        """A 1-D ``DeviceMesh`` over all ranks on :attr:`device`'s type (created once), for ``parallelize_module``."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh("cpu", (self.world_size,))
+            self._mesh = init_device_mesh(self.device.type, (self.world_size,))
         return self._mesh
 
 
@@ -301,8 +309,9 @@ def run_ranks(
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_gloo_available():
-        raise DistributedError("torch.distributed with the gloo backend is not available in this torch build")
+    found = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available}.get(spec.backend)
+    if not dist.is_available() or found is None or not found():
+        raise DistributedError(f"torch.distributed with the {spec.backend} backend is not available in this build")
     if spec.world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {spec.world_size}")
     spec.directory.mkdir(parents=True, exist_ok=True)

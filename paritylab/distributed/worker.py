@@ -73,6 +73,8 @@ def run(spec: LaunchSpec, rank: int) -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], spec.port, spec.world_size + 1, False, timeout=timeout)
+        if spec.backend == "nccl":  # one device per rank, before the group is made (its collectives use it)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     except BaseException as error:
         for status in statuses.values():
@@ -99,7 +101,7 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
         model = resolve(spec.builder)(context)
         if not isinstance(model, nn.Module):
             raise TypeError(f"builder {spec.builder} returned {type(model).__name__}, not an nn.Module")
-        inputs = load_tensors(spec.directory / INPUTS_FILE)
+        inputs = {name: value.to(context.device) for name, value in load_tensors(spec.directory / INPUTS_FILE).items()}
         call = resolve(spec.call, "call") if spec.call else None
         status.enter("forward")
         metadata = {"backend": spec.backend, "builder": spec.builder}

@@ -144,6 +144,9 @@ class CandidateConfig:
     all-reduces them), summed when the rank traces are merged."""
     timeout_s: float = 600.0
     """``kind: distributed``: wall-clock limit of the ranks' run (and of any one collective)."""
+    dist_backend: str = "gloo"
+    """``kind: distributed``: the process group's backend: ``gloo`` (CPU) or ``nccl`` (one CUDA device per rank,
+    rank ``r`` on device ``r``; the builder finds it as ``context.device``)."""
 
 
 @dataclass
@@ -355,6 +358,22 @@ BUILDER_FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 """``package.module:function`` (the function may be an attribute path, ``module:Class.build``)."""
 
 
+def check_dist_backend(backend: str, world_size: int) -> None:
+    """A backend the ranks can use on this machine: ``gloo``, or ``nccl`` with a CUDA device for every rank."""
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"candidate.dist_backend={backend!r} must be gloo (CPU) or nccl (one CUDA device per rank)")
+    if backend == "nccl":
+        import torch
+        import torch.distributed as dist
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices < world_size or not dist.is_nccl_available():
+            raise ConfigError(
+                f"candidate.dist_backend=nccl needs one CUDA device per rank and a torch built with NCCL "
+                f"({world_size} ranks, {devices} CUDA devices here): use candidate.dist_backend=gloo"
+            )
+
+
 def check_ranks(cfg: DictConfig) -> None:
     """``candidate.world_size`` and, for ``kind: distributed``, what the ranks need: a builder named as
     ``"module:function"``, a forward called as ``model(**inputs)``, and no phase that needs the candidate model
@@ -376,6 +395,7 @@ def check_ranks(cfg: DictConfig) -> None:
             f"candidate.builder={builder!r}: a distributed candidate needs a builder named 'package.module:function' "
             "(e.g. candidate.builder=paritylab.experiments.tp_llama:build)"
         )
+    check_dist_backend(str(candidate.get("dist_backend", "gloo")), int(world_size))
     if candidate.call.args or candidate.call.kwargs:
         raise ConfigError(
             "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls "

@@ -60,8 +60,9 @@ def launch(
         options=builder_options(candidate, reference),
         timeout_s=float(candidate.timeout_s),
         trace=_trace_options(cfg),
+        backend=str(candidate.get("dist_backend", "gloo")),
     )
-    echo(f"paritylab: running the candidate on {spec.world_size} ranks (gloo, this machine): {spec.builder}")
+    echo(f"paritylab: running the candidate on {spec.world_size} ranks ({spec.backend}, this machine): {spec.builder}")
     try:
         (result,) = run_ranks(spec)
     finally:
