@@ -681,7 +681,9 @@ def test_ranks_launched_by_torchrun_are_traced_by_trace_rank_and_merged_by_parit
         "-m", "experiments.torchrun_tp", str(out), "--defect", "rank1_scaled", "--layer", "1",
     ]  # fmt: skip
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    scratch = tmp_path / "tmp"  # torchrun's own scratch folder (torchelastic_*) goes here, not into /tmp
+    scratch.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "TMPDIR": str(scratch)}
     launched = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=root, env=env)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert Trace.load(out / "ranks" / "rank1").meta["world_size"] == "2"

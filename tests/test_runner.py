@@ -289,7 +289,7 @@ def test_cfg_job_and_help_work_as_hydra_users_expect(tmp_path):
     profile = pstats.Stats(str(tmp_path / "job.prof"))
     assert any(name == "preflight" and "app.py" in path for path, _, name in profile.stats)  # type: ignore[attr-defined]
     helped = app(tmp_path, "--help")
-    assert helped.returncode == 0 and "candidate: bf16, compiled, eager, port, sdpa" in helped.stdout
+    assert helped.returncode == 0 and "candidate: bf16, compiled, eager, pipeline, port, sdpa, tp" in helped.stdout
 
 
 def test_pretrained_checkpoint_with_its_processor_and_image(tmp_path):
