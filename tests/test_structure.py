@@ -67,3 +67,18 @@ def test_modules_that_never_ran_leave_their_ancestors_fingerprints():
     inner = inner_digests(plain)
     assert inner[""] == {plain["0"].digest, plain["1"].digest}
     assert "0" not in inner  # a leaf has no descendants
+
+
+def test_a_norm_stored_minus_one_fingerprints_as_its_original_on_the_bf16_and_fp16_grids():
+    """A norm scale ``w`` (float32) against a copy storing ``g = w - 1`` in bfloat16 or float16: the original's
+    ``shifted`` print is the copy's digest on either grid; on the float16 grid the one subtracted before rounding
+    (``round(w) - 1`` sits on a grid 16x coarser than ``round(w - 1)`` near one, and hashes differently)."""
+    generator = torch.Generator().manual_seed(0)
+    original = nn.LayerNorm(64, elementwise_affine=True, bias=False)
+    with torch.no_grad():
+        original.weight.copy_(1 + 0.1 * torch.randn(64, generator=generator))
+    for dtype, grid in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        stored = nn.LayerNorm(64, bias=False).to(dtype)
+        with torch.no_grad():
+            stored.weight.copy_((original.weight - 1).to(dtype))
+        assert fingerprint(original, grid)[""].shifted == fingerprint(stored, grid)[""].digest != 0, grid
