@@ -174,6 +174,29 @@ def test_an_fp16_candidate_is_paired_by_its_weights_and_an_offset_in_it_named(tm
     assert buggy.first_divergence.path == "model.multi_modal_projector.linear_1"
 
 
+@pytest.mark.skipif(unavailable("x-transformers") is not None, reason=unavailable("x-transformers") or "")
+def test_an_fp16_copy_storing_norms_minus_one_pairs_them_and_a_change_after_a_module_is_named_there(tmp_path):
+    """x-transformers in float16 stores every norm scale as ``g = w - 1``: on the fp16 grid the reference's
+    shifted prints subtract one before rounding, as the copy did, so layer 0's norms pair by their weights. An
+    offset its token-embedding wrapper adds after the ``nn.Embedding`` is charged to ``model.embed_tokens``, and
+    the isolated replay, which then finds layer 0's norm fed a value nothing paired explains, keeps that charge
+    instead of blaming the decoder layer's own code."""
+    case = PAIRS["x-transformers"](torch.float16)
+    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
+    floors = estimate_floors(
+        case.reference, case.reference_call, reference_trace, torch.float16, tmp_path, case.cast_inputs
+    )
+    clean = _judge(case, tmp_path, "clean", reference_trace, floors)
+    assert clean.passed and clean.first_divergence is None
+    pairs = {p.reference: p.candidate for p in clean.alignment.pairs}
+    assert pairs["model.layers.0.input_layernorm#0"] == "attn_layers.layers.0.0.0#0"
+    assert pairs["model.layers.0.post_attention_layernorm#0"] == "attn_layers.layers.1.0.0#0"
+    with planted(case.candidate, "token_emb", "offset", 1e-2):
+        buggy = _judge(case, tmp_path, "buggy", reference_trace, floors)
+    assert buggy.first_divergence is not None and buggy.first_divergence.path == "model.embed_tokens"
+    assert buggy.first_divergence.note.startswith("the candidate changes its value after it: token_emb returns it")
+
+
 def test_a_bug_does_not_move_the_alignment(tmp_path):
     """Structure decides pairs: a 5 % error in one module leaves every pair exactly where it was."""
     if _MISSING:

@@ -42,6 +42,7 @@ from paritylab.comparison.report import (
     slot_value,
     unmatched_feeding,
 )
+from paritylab.comparison.verify import CHANGED_AFTER
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, trace_run
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
@@ -533,10 +534,13 @@ def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRec
 def _unreplaced_source(
     row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]
 ) -> tuple[Row, str] | None:
-    """Where a value the replay could not replace was made: the module with no counterpart that produced the
-    row's input (data flow, through folded calls), else the parent's own code between its children."""
+    """Where a value the replay could not replace was made: the module whose value the candidate changes after it
+    (:func:`~paritylab.comparison.verify.verify_pairs` charged it) or with no counterpart that produced the row's
+    input (data flow, through folded calls), else the parent's own code between its children."""
     where = row.path or "<root>"
     producer = producer_row(dict(by_index), reference, row)
+    if producer is not None and CHANGED_AFTER in producer.metrics:  # the candidate changed its value on the way
+        return producer, producer.note
     if producer is not None and producer.status == "unmatched":
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
