@@ -832,7 +832,7 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
     or ``noise`` (+size·std·N(0,1), seeded). Yields ``{"changed": ...}``: whether the error changed any value
     at all (in bfloat16, ×1.001 rounds back to every value: such a plant is no error)."""
     effect = {"changed": False}
-    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    target = model.get_submodule(path)
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         value = output[0] if isinstance(output, tuple) else output
@@ -846,11 +846,11 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
                 generator = torch.Generator(device=value.device).manual_seed(seed)
                 noise = torch.randn(value.shape, generator=generator, device=value.device).to(value.dtype)
                 changed = value + size * std * noise
-        if value.dtype == own:  # the model's own run (a float32 copy of a bf16 model runs the plant too)
+        if module is target:  # the model's own run (a float32 copy of a bf16 model runs the plant too)
             effect["changed"] = effect["changed"] or bool((changed != value).any())
         return (changed, *output[1:]) if isinstance(output, tuple) else changed
 
-    handle = model.get_submodule(path).register_forward_hook(hook)
+    handle = target.register_forward_hook(hook)
     try:
         yield effect
     finally:

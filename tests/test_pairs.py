@@ -82,20 +82,31 @@ def test_planted_errors_are_named_at_their_counterpart(name, tmp_path):
     assert missed == []
 
 
-@pytest.mark.parametrize(("site", "kind"), [("encoder", "offset"), ("decoder", "scale")])
-def test_whisper_container_outputs_are_named_at_their_counterpart(site, kind, tmp_path):
+@pytest.mark.parametrize(
+    ("site", "kind", "dtype"),
+    [("encoder", "offset", torch.float32), ("decoder", "scale", torch.float32), ("decoder", "scale", torch.bfloat16)],
+    ids=["encoder-offset-fp32", "decoder-scale-fp32", "decoder-scale-bf16"],
+)
+def test_whisper_container_outputs_are_named_at_their_counterpart(site, kind, dtype, tmp_path):
     """openai-whisper's encoder returns its last norm's output, its decoder the logits it computes from its own
     token embedding's weight; neither is paired (transformers' encoder also holds its position table as a
     parameter, and its decoder returns hidden states: the logits are proj_out's). A 1 % error in the encoder's
     output is named at transformers' encoder, whose counterpart returns its norm's value unchanged (it was named
     at the decoder's first cross-attention); one in the decoder's logits at proj_out, which made the model's
-    output (it was named at the root)."""
+    output (it was named at the root). In bfloat16 the free run passes the logits within bfloat16's tolerance and
+    the isolated replay finds the root's own error: it too names proj_out, whose output the root hands on."""
     if unavailable("whisper"):
         pytest.skip(unavailable("whisper"))
-    case = PAIRS["whisper"](torch.float32)
+    case = PAIRS["whisper"](dtype)
     reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    with planted(case.candidate, site, kind, 1e-2):
-        report = _judge(case, tmp_path, "buggy", reference_trace)
+    floors = None
+    if dtype != torch.float32:
+        floors = estimate_floors(
+            case.reference, case.reference_call, reference_trace, dtype, tmp_path, case.cast_inputs
+        )
+    with planted(case.candidate, site, kind, 1e-2) as effect:
+        report = _judge(case, tmp_path, "buggy", reference_trace, floors)
+    assert effect["changed"]  # the logits are float32 in a bfloat16 whisper: the plant changes them
     named = report.first_divergence.path if report.first_divergence else None
     assert not report.passed and named in case.sites[site], named
 

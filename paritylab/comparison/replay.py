@@ -41,6 +41,7 @@ from paritylab.comparison.report import (
     relative_error,
     slot_value,
     unmatched_feeding,
+    unmatched_maker,
 )
 from paritylab.comparison.verify import CHANGED_AFTER
 from paritylab.tracing.tracefile import CallRecord, Trace
@@ -468,7 +469,7 @@ def attach_replay(
             row.verdict = "fail"
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = innermost(own_errors, report.rows)
-    _name_culprit(report, low_precision=local_floor is not None and not floor_loosens_only)
+    _name_culprit(report, reference, replay, low_precision=local_floor is not None and not floor_loosens_only)
     named = report.first_divergence
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
@@ -673,7 +674,7 @@ def beyond_floor(
     return None
 
 
-def _name_culprit(report: Report, low_precision: bool) -> None:
+def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision: bool) -> None:
     """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
 
     - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
@@ -683,7 +684,10 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
     - else the replay's earliest own error inside the free-run origin is more precise, and in low
       precision, where free-run divergence is judged against a wide tolerance, the replay's earliest own
       error (judged against the local noise floor) is named;
-    - with no free-run origin, the replay's earliest own error is the culprit when the run fails.
+    - with no free-run origin, the replay's earliest own error is the culprit when the run fails;
+    - a culprit whose compared output a module with no counterpart made inside it, as the candidate's was made by
+      one with none on its side, hands that module's finding on: it is named (``unmatched_maker``, as the free
+      run does).
     """
     first = report.origins[0] if report.origins else None
     if first is not None and report.first_divergence is None and not report.passed:
@@ -720,6 +724,13 @@ def _name_culprit(report: Report, low_precision: bool) -> None:
             reason += " (lifted replay)"
     if chosen is None:
         return
+    maker = unmatched_maker(chosen, report.rows, reference, replay, report.alignment)
+    if maker is not None:  # the culprit only hands on what a module with no counterpart made inside it
+        maker.diverged, maker.verdict, chosen.cause = True, "fail", "contains-origin"
+        maker.note = maker.note or f"it made {chosen.path or '<root>'}'s output, whose own error diverges"
+        reason = f"it made {chosen.path or '<root>'}'s output, whose own error (isolated replay) diverges; it has no"
+        reason += " counterpart in the candidate"
+        chosen = maker
     report.first_divergence, report.culprit_reason = chosen, reason
     report.origins = [chosen, *(row for row in report.origins if row is not chosen)]
     chosen.cause = "origin"

@@ -360,7 +360,7 @@ def compare_traces(
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
-        maker = _unmatched_maker(first, rows, reference, candidate, alignment)
+        maker = unmatched_maker(first, rows, reference, candidate, alignment)
         if maker is not None:  # the origin only hands on what a module with no counterpart made inside it
             maker.diverged, maker.cause, first.cause = True, "origin", "contains-origin"
             origins = [maker, *(row for row in origins if row is not first), first]
@@ -385,7 +385,7 @@ def compare_traces(
     )
 
 
-def _unmatched_maker(row: Row, rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment) -> Row | None:
+def unmatched_maker(row: Row, rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment) -> Row | None:
     """The reference call inside ``row`` that made the output ``row`` compares (data flow), when it has no
     counterpart and the candidate's output too was made by a call inside its side with none: the two makers
     stand for each other (a model's logits made by ``proj_out`` on one side, inside the decoder on the other).
