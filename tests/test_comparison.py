@@ -11,8 +11,9 @@ from torch import nn
 
 from experiments.llava_port import ALIGNMENT, from_reference
 from paritylab.comparison.alignment import AlignmentError, Part, Rule, align, load_rules, parse_rules
+from paritylab.comparison.attribution import attach_replay
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, within
-from paritylab.comparison.replay import attach_replay, isolated_replay
+from paritylab.comparison.replay import isolated_replay
 from paritylab.comparison.report import compare_traces, noise_floor
 from paritylab.reports.render import headline
 from paritylab.run.references import llava

@@ -102,8 +102,9 @@ def test_an_earlier_own_error_the_replay_finds_takes_the_headline_from_a_later_f
     isolated replay finds an own error at ``enc.pos_add``, earlier, whose free-run output diverges too, and none
     at ``dec.layer``. The earlier one is where divergence starts; the reason says why; both stay listed."""
     from paritylab.comparison.alignment import Alignment
-    from paritylab.comparison.replay import _name_culprit
+    from paritylab.comparison.attribution import _name_culprit
     from paritylab.comparison.report import Report, Row, Side
+    from paritylab.tracing.tracefile import Trace
 
     def row(index: int, path: str, diverged: bool, own: bool, parent: int | None = 0) -> Row:
         made = Row(index, path, Side(f"{path}#0"), Side(f"{path}#0"), "compared", "fail" if diverged else "pass")
@@ -118,7 +119,7 @@ def test_an_earlier_own_error_the_replay_finds_takes_the_headline_from_a_later_f
     )
     report = Report([root, encoder, decoder], Alignment(), decoder, [decoder], replay_origins=[encoder])
     report.culprit_reason = "the earliest module whose output diverges while its input agrees"
-    _name_culprit(report, low_precision=False)
+    _name_culprit(report, Trace(calls=[]), Trace(calls=[]), low_precision=False)
     assert report.first_divergence is encoder and [r.path for r in report.origins] == ["enc.pos_add", "dec.layer"]
     assert report.culprit_reason == (
         "its own error (isolated replay) diverges before the free-run origin dec.layer, whose own error does not"
@@ -126,5 +127,5 @@ def test_an_earlier_own_error_the_replay_finds_takes_the_headline_from_a_later_f
     # an enclosing module's own code is not "earlier": a parent starts before its children
     parent, child = row(1, "dec", True, True), row(2, "dec.layer", True, False, parent=1)
     nested = Report([root, parent, child], Alignment(), child, [child], replay_origins=[parent])
-    _name_culprit(nested, low_precision=False)
+    _name_culprit(nested, Trace(calls=[]), Trace(calls=[]), low_precision=False)
     assert nested.first_divergence is child

@@ -153,7 +153,8 @@ class Report:
     candidate_meta: dict[str, Any] = field(default_factory=dict)
     first_nonfinite: dict[str, str | None] = field(default_factory=dict)
     replay_origins: list[Row] = field(default_factory=list)
-    """Rows whose own (isolated replay) error diverges, once :func:`~paritylab.comparison.replay.attach_replay` ran."""
+    """Rows whose own (isolated replay) error diverges, once
+    :func:`~paritylab.comparison.attribution.attach_replay` ran."""
     culprit_reason: str = ""
     """Why :attr:`first_divergence` was named (free-run origin, unmatched stretch, isolated replay, ...)."""
     decode: dict[str, Any] | None = None

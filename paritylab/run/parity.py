@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment, Rule, align
+from paritylab.comparison.attribution import CODE_MULTIPLE, FLOAT32_UNIT, attach_replay
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
-from paritylab.comparison.replay import CODE_MULTIPLE, FLOAT32_UNIT, attach_replay, isolated_replay, layer_replay
+from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift
@@ -225,7 +226,7 @@ def _float32_pair(reference: nn.Module, candidate: nn.Module) -> bool:
 
 def _float32_suspects(report: Report, reference: nn.Module | None, candidate: nn.Module) -> bool:
     """A float32 pair with a module whose own error passes its tolerance yet exceeds what float32's rounding of any
-    code gives without an unusually rough floor (:data:`~paritylab.comparison.replay.CODE_MULTIPLE` units)."""
+    code gives without an unusually rough floor (:data:`~paritylab.comparison.attribution.CODE_MULTIPLE` units)."""
     if reference is None or report.errors or not _float32_pair(reference, candidate):
         return False
     return any(
