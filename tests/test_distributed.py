@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -728,3 +729,28 @@ def test_tensor_parallel_inside_data_parallel_replicas_on_a_2d_mesh(tmp_path: Pa
         "shard-order",
         [0, 1, 2, 3],
     )
+
+
+def test_trace_rank_says_in_one_line_what_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a process group and without torchrun's RANK/WORLD_SIZE, ``trace_rank`` asks for them; a rank
+    outside the world is refused; given both, it writes ``rank<k>/`` with rank and world size in the meta."""
+    from paritylab.distributed import rank_directories, trace_rank
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = Pair(WHOLE, OUT)
+    with pytest.raises(ValueError, match=r"^trace_rank: no process group is initialised and RANK/WORLD_SIZE"):
+        trace_rank(model, tmp_path).__enter__()
+    with pytest.raises(ValueError, match=r"^trace_rank: rank 2 is not in 0\.\.1 \(world size 2\)$"):
+        trace_rank(model, tmp_path, rank=2, world_size=2).__enter__()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with trace_rank(model, tmp_path):
+        model(X)
+    assert Trace.load(tmp_path / "rank1").meta["rank"] == "1" and (tmp_path / "rank1" / PLACEMENTS_FILE).is_file()
+    with pytest.raises(ValueError, match=r"holds rank traces up to rank2 but none for rank 1: copy every rank"):
+        (tmp_path / "rank0").mkdir()
+        (tmp_path / "rank0" / "trace.json").write_text((tmp_path / "rank1" / "trace.json").read_text())
+        shutil.move(tmp_path / "rank1", tmp_path / "rank2")
+        rank_directories(tmp_path)
+    assert rank_directories(tmp_path / "nothing") is None
