@@ -18,6 +18,7 @@ from paritylab.comparison.report import compare_traces, noise_floor
 from paritylab.reports.render import headline
 from paritylab.run.references import llava
 from paritylab.run.weights import weight_parity
+from paritylab.tracing.values import iter_tensors
 from tests.helpers import llava_inputs, planted, traced
 from tests.tiny import tiny_llama, token_ids
 
@@ -465,3 +466,51 @@ def test_load_mapped_fills_fused_rows_in_place_and_lists_what_does_not_fit():
     assert "\n" not in message
     assert "w13.weight: parts that cannot be concatenated from the reference, (6, 4) expected" in message
     assert "w2.weight: reference has no missing.weight" in message
+
+
+class _NormOnce(nn.Module):
+    """A norm computed once and used for queries, keys and values alike (three projections)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(8)
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(x)
+        return self.q(normed) + self.k(normed) * self.v(normed)
+
+
+class _NormThrice(_NormOnce):
+    """The same, computing the norm again for each projection (TransformerLens' ``ln1`` for q, k and v), after
+    code with no module (nothing the replay can replace) adds a ramp along the features (a norm would undo a
+    constant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x + 0.5 * torch.arange(x.shape[-1], dtype=x.dtype)
+        return self.q(self.norm(shifted)) + self.k(self.norm(shifted)) * self.v(self.norm(shifted))
+
+
+def test_the_replay_forces_every_repeat_of_a_paired_call_given_the_same_inputs(tmp_path):
+    """The candidate normalises the same value three times where the reference does it once: only its first
+    call is paired, but the isolated replay forces all three (the same computation), so the key and value
+    projections are fed the reference's value too and their own error is none, though code with no module
+    shifted the norm's input."""
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    reference = traced(_NormOnce(), lambda model: model(x), tmp_path / "reference")
+    model = _NormThrice()
+    candidate = traced(model, lambda model: model(x), tmp_path / "candidate")
+    report = compare_traces(reference, candidate)
+    assert {(p.reference, p.candidate) for p in report.alignment.pairs} >= {("norm#0", "norm#0"), ("k#0", "k#0")}
+    assert "norm#1" not in {p.candidate for p in report.alignment.pairs}
+    replay = isolated_replay(model, lambda model: model(x), reference, candidate, report.alignment, tmp_path / "r")
+    made = reference.tensor(reference.call("norm#0").outputs or {})
+    for key in ("q#0", "k#0", "v#0"):  # each fed what its norm call returned: the reference's value, forced
+        (_, node), *_ = iter_tensors(replay.call(key).inputs, "inputs")
+        fed = replay.tensor(node)
+        assert made is not None and fed is not None and torch.equal(fed, made), key
+    report = attach_replay(report, reference, replay)
+    for path in ("k", "v"):
+        row = next(row for row in report.rows if row.path == path)
+        assert row.local["local_rel_l2"] < 1e-6, (path, row.local)

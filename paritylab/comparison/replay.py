@@ -28,7 +28,7 @@ from paritylab.comparison.alignment import (
     primary_slot,
     transposed,
 )
-from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, trace_run
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
@@ -240,7 +240,8 @@ def _slot(value: Any, parts: list[str]) -> Any:
 def _plan(
     reference: Trace, candidate: Trace, alignment: Alignment, only: Collection[str] | None = None
 ) -> dict[str, list[_Replacement]]:
-    """Candidate call key -> the reference values to put into its output (for the calls in ``only``, if given)."""
+    """Candidate call key -> the reference values to put into its output (for the calls in ``only``, if given),
+    and the same for the candidate's unpaired calls that repeat a planned one (:func:`_repeats`)."""
     plan: dict[str, list[_Replacement]] = {}
     for pair in alignment.pairs:
         if only is not None and pair.candidate not in only:
@@ -249,7 +250,58 @@ def _plan(
         if replacement is not None:
             plan.setdefault(pair.candidate, []).append(replacement)
             plan[pair.candidate].extend(_other_outputs(reference, candidate, pair, replacement.slot))
+    paired = {pair.candidate for pair in alignment.pairs}
+    for repeat, source in _repeats(candidate, plan, paired).items():
+        plan[repeat] = plan[source]
     return plan
+
+
+def _repeats(candidate: Trace, plan: Mapping[str, list[_Replacement]], paired: Collection[str]) -> dict[str, str]:
+    """Unpaired candidate calls of a planned call's module given the very same inputs (every tensor the same
+    stored value, the rest alike): the same computation done again (TransformerLens normalises the residual
+    once for the queries, once for the keys and once for the values, where the reference does it once). Each is
+    forced as its planned call is, so what it feeds is fed the reference's value too. Repeat key -> planned key."""
+    by_path: dict[str, list[CallRecord]] = {}
+    for call in candidate.calls:
+        by_path.setdefault(call.path, []).append(call)
+    found: dict[str, str] = {}
+    for key in plan:
+        source = candidate.call(key)
+        for other in by_path.get(source.path, []):
+            if other.key in paired or other.key in plan or other.key in found:
+                continue
+            if _same_inputs(candidate, source, other):
+                found[other.key] = key
+    return found
+
+
+def _same_inputs(trace: Trace, first: CallRecord, second: CallRecord) -> bool:
+    """Both calls were given the same values: the same tensor slots, each the same stored tensor or equal
+    values (bit for bit), and alike otherwise."""
+    mine, theirs = dict(iter_tensors(first.inputs, "inputs")), dict(iter_tensors(second.inputs, "inputs"))
+    if not mine or mine.keys() != theirs.keys():
+        return False
+    for slot, node in mine.items():
+        other = theirs[slot]
+        if node.get("ref") is not None and node.get("ref") == other.get("ref"):
+            continue
+        if node.get("shape") != other.get("shape") or node.get("dtype") != other.get("dtype"):
+            return False
+        value, given = trace.tensor(node), trace.tensor(other)
+        if value is None or given is None or not torch.equal(value, given):
+            return False
+    return _skeleton(first.inputs) == _skeleton(second.inputs)
+
+
+def _skeleton(node: Any) -> Any:
+    """A value tree without its tensors' contents (what is left to be alike between two calls' inputs)."""
+    if isinstance(node, dict):
+        if node.get("t") == "tensor":
+            return ("tensor", tuple(node.get("shape") or ()), node.get("dtype"))
+        return {key: _skeleton(value) for key, value in node.items() if key not in ("from", "ref", "stats", "changed")}
+    if isinstance(node, list):
+        return [_skeleton(value) for value in node]
+    return node
 
 
 def _other_outputs(reference: Trace, candidate: Trace, pair: Pair, primary: str) -> list[_Replacement]:
