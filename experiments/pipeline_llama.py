@@ -42,6 +42,17 @@ def stage_layers(num_layers: int, world_size: int, rank: int) -> range:
     return range(start, start + size + (1 if rank < extra else 0))
 
 
+def causal_mask(hidden: torch.Tensor, attention: str) -> torch.Tensor | None:
+    """The causal mask transformers' attention implementations take, made here (``create_causal_mask``'s keywords
+    changed between transformers releases): none for sdpa and the flash kernels, which are causal by themselves
+    when given none; else the additive mask, 0 where a position may look and the dtype's minimum where not."""
+    if attention != "eager":
+        return None
+    length = hidden.shape[1]
+    blocked = torch.full((length, length), torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=hidden.device)
+    return blocked.triu(1)[None, None].expand(hidden.shape[0], 1, length, length)
+
+
 class StageModel(nn.Module):
     """One stage of ``LlamaModel``: the embedding on the first stage, its own decoder layers, the final norm on the
     last; receives its input from the previous stage and sends its output to the next."""
@@ -57,8 +68,6 @@ class StageModel(nn.Module):
         self.stale = defect == "stale_handoff" and layers.stop == layer and self.norm is None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        from transformers.masking_utils import create_causal_mask
-
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
         else:
@@ -66,9 +75,7 @@ class StageModel(nn.Module):
             hidden = torch.empty(*input_ids.shape, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
             dist.recv(hidden, src=self.rank - 1)
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        mask = causal_mask(hidden, str(self.config._attn_implementation))
         angles = self.rotary_emb(hidden, position_ids=position_ids)
         before = hidden
         for block in self.layers.values():
