@@ -65,8 +65,8 @@ _WRITE_FLOOR: dict[str, Any] = {"bytes": 0, "buffer": None}
 
 def write_floor(model: torch.nn.Module, inputs: dict[str, torch.Tensor], directory: Path) -> None:
     """The floor of any capture that keeps every output on disk: a plain forward, then as many bytes as full capture
-    wrote, written to one file from memory that already holds them (no hook, no copy, no format, no statistics):
-    what the page cache alone costs on this machine."""
+    wrote, written to one file (its space reserved first) from memory that already holds them (no hook, no copy,
+    no format, no statistics): what the page cache alone costs on this machine."""
     plain(model, inputs, directory)
     size = int(_WRITE_FLOOR["bytes"])
     if not size:
@@ -76,6 +76,8 @@ def write_floor(model: torch.nn.Module, inputs: dict[str, torch.Tensor], directo
         block = os.urandom(1 << 20)
         buffer = _WRITE_FLOOR["buffer"] = (block * (size // len(block) + 1))[:size]
     with open(directory / "floor.bin", "wb") as handle:
+        if hasattr(os, "posix_fallocate"):  # the space reserved first, as paritylab's shards are
+            os.posix_fallocate(handle.fileno(), 0, size)
         handle.write(buffer)
 
 
