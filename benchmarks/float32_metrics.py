@@ -24,11 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pairs import reference_side
 from paritylab.comparison import metrics
 from paritylab.comparison.report import Report
 from paritylab.run.parity import compare_and_replay, match_weight_grids, trace_model
-from tests.pairs import PAIRS, planted, unavailable
+from tests.pairs import PAIRS, planted, reference_side, unavailable
 
 
 def main() -> int:

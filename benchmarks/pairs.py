@@ -28,15 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paritylab.run.parity import (
-    Floors,
     compare_and_replay,
-    estimate_floors,
-    low_precision,
     match_weight_grids,
     trace_model,
 )
-from paritylab.tracing.tracefile import Trace
-from tests.pairs import KINDS, PAIRS, SEED, PairCase, planted, unavailable
+from tests.pairs import KINDS, PAIRS, SEED, planted, reference_side, unavailable
 
 
 def main() -> int:
@@ -88,16 +84,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"results": results, "misses": misses}, indent=1))
     return 0
-
-
-def reference_side(case: PairCase, base: Path) -> tuple[Trace, Floors | None]:
-    """The reference traced into ``base``, and its noise floors when the candidate is in low precision."""
-    reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
-    low = low_precision(case.reference, case.candidate)
-    floors = None
-    if low is not None:
-        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
-    return reference_trace, floors
 
 
 def clean_seeds(name: str, args: argparse.Namespace) -> list[str]:

@@ -13,10 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from paritylab.run.parity import Floors
+    from paritylab.tracing.tracefile import Trace
 
 
 @dataclass
@@ -824,6 +829,28 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "esm": esm_fair,
 }
 KINDS = ("scale", "offset", "noise")
+
+
+def seeded(name: str, dtype: torch.dtype, seed: int) -> PairCase:
+    """Pair ``name`` built with weights (and token ids) seeded ``seed`` instead of the table's."""
+    SEED[0] = seed
+    try:
+        return PAIRS[name](dtype)
+    finally:
+        SEED[0] = 0
+
+
+def reference_side(case: PairCase, base: Path) -> tuple[Trace, Floors | None]:
+    """The reference traced into ``base / "reference"``, and its noise floors (estimated into ``base``) when the
+    candidate is in low precision."""
+    from paritylab.run.parity import estimate_floors, low_precision, trace_model
+
+    reference_trace = trace_model(case.reference, case.reference_call, base / "reference")
+    low = low_precision(case.reference, case.candidate)
+    floors = None
+    if low is not None:
+        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
+    return reference_trace, floors
 
 
 @contextmanager

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paritylab.run.parity import compare_and_replay, estimate_floors, low_precision, match_weight_grids, trace_model
+from paritylab.run.parity import compare_and_replay, match_weight_grids, trace_model
 from paritylab.tracing.tracefile import Trace
-from tests.pairs import PAIRS, SEED, planted, transformer_lens_available, unavailable
+from tests.pairs import PAIRS, planted, reference_side, seeded, transformer_lens_available, unavailable
 
 _MISSING = transformer_lens_available()
 PAIR_NAMES = [
@@ -46,11 +46,7 @@ def _judge(case, tmp_path, tag, reference_trace, floors=None):
 @pytest.mark.parametrize("name", PAIR_NAMES)
 def test_clean_pair_passes_with_zero_rules(name, dtype, tmp_path):
     case = PAIRS[name](dtype)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = None
-    low = low_precision(case.reference, case.candidate)
-    if low is not None:
-        floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, tmp_path, case.cast_inputs)
+    reference_trace, floors = reference_side(case, tmp_path)
     report = _judge(case, tmp_path, "clean", reference_trace, floors)
     unchecked = [(row.path, row.status, row.note) for row in report.not_compared]
     failing = [(row.path, row.note) for row in report.failing]
@@ -98,12 +94,7 @@ def test_whisper_container_outputs_are_named_at_their_counterpart(site, kind, dt
     if unavailable("whisper"):
         pytest.skip(unavailable("whisper"))
     case = PAIRS["whisper"](dtype)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = None
-    if dtype != torch.float32:
-        floors = estimate_floors(
-            case.reference, case.reference_call, reference_trace, dtype, tmp_path, case.cast_inputs
-        )
+    reference_trace, floors = reference_side(case, tmp_path)
     with planted(case.candidate, site, kind, 1e-2) as effect:
         report = _judge(case, tmp_path, "buggy", reference_trace, floors)
     assert effect["changed"]  # the logits are float32 in a bfloat16 whisper: the plant changes them
@@ -117,15 +108,8 @@ def test_a_clean_bf16_pair_with_other_weights_raises_no_false_alarm(tmp_path):
     by its standard error (``systematic_z``), so the clean pair passes."""
     if _MISSING:
         pytest.skip(_MISSING)
-    SEED[0] = 3
-    try:
-        case = PAIRS["llama"](torch.bfloat16)
-    finally:
-        SEED[0] = 0
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
-    )
+    case = seeded(name="llama", dtype=torch.bfloat16, seed=3)
+    reference_trace, floors = reference_side(case, tmp_path)
     report = _judge(case, tmp_path, "clean", reference_trace, floors)
     assert report.passed and report.first_divergence is None
     mlp = next(row for row in report.rows if row.path == "model.layers.0.mlp")
@@ -137,15 +121,8 @@ def test_a_second_output_is_judged_against_its_own_noise_floor(tmp_path):
     fp16 rounding in the reference itself, over the fp16 tolerance, and the clean candidate (rel_l2 1.07e-3 there)
     FAILed at the root. Every output leaf now has its noise floor, so it passes; a 1 % gain in the final norm that
     makes it still fails."""
-    SEED[0] = 3
-    try:
-        case = PAIRS["clip-text"](torch.float16)
-    finally:
-        SEED[0] = 0
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.float16, tmp_path, case.cast_inputs
-    )
+    case = seeded(name="clip-text", dtype=torch.float16, seed=3)
+    reference_trace, floors = reference_side(case, tmp_path)
     assert 1e-3 < floors.free_run["#0 outputs.last_hidden_state"] < 2e-3
     clean = _judge(case, tmp_path, "clean", reference_trace, floors)
     assert clean.passed, clean.first_divergence and clean.first_divergence.note
@@ -163,10 +140,7 @@ def test_an_fp16_candidate_is_paired_by_its_weights_and_an_offset_in_it_named(tm
     from paritylab.run.parity import match_weight_grids
 
     case = PAIRS["llava"](torch.float16)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.float16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
 
     def judge(tag):
         candidate_trace = trace_model(case.candidate, case.candidate_call, tmp_path / tag / "candidate")
@@ -193,10 +167,7 @@ def test_an_fp16_copy_storing_norms_minus_one_pairs_them_and_a_change_after_a_mo
     the isolated replay, which then finds layer 0's norm fed a value nothing paired explains, keeps that charge
     instead of blaming the decoder layer's own code."""
     case = PAIRS["x-transformers"](torch.float16)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.float16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
     clean = _judge(case, tmp_path, "clean", reference_trace, floors)
     assert clean.passed and clean.first_divergence is None
     pairs = {p.reference: p.candidate for p in clean.alignment.pairs}
@@ -229,10 +200,7 @@ def test_one_percent_gain_or_offset_in_a_bf16_candidate_is_named(name, tmp_path)
     """bf16 free-run tolerances hide 1 % errors; the isolated replay judged against the reference's own bf16
     rounding of that module (its systematic part and its size) finds and names them."""
     case = PAIRS[name](torch.bfloat16)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
     missed = []
     for number, (site, expected) in enumerate(_sites(name, case, 2)):  # the full table: benchmarks/pairs.py
         kind = ("scale", "offset")[number % 2]
@@ -249,10 +217,7 @@ def test_a_tenth_of_a_percent_offset_under_bf16_rounding_is_named(tmp_path):
     its difference from the reference's own bf16 output has a mean many standard errors from zero
     (``systematic_z``), which names it. The candidate is the project's port (no third-party package)."""
     case = PAIRS["llava"](torch.bfloat16)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
     assert floors.local_trace is not None
     named, expected = {}, {}
     for number, site in enumerate(["vit.blocks.0.ln1", "llm.layers.0.attention_norm", "llm.norm", "llm.output"]):
@@ -277,10 +242,7 @@ def test_noise_of_a_tenth_of_a_percent_in_a_bf16_candidate_is_named(name, tmp_pa
     from a clean candidate computed in another order. The lifted replay (both sides in float32, with the
     candidate's bf16 weights) has no rounding to hide it in, and names the module."""
     case = PAIRS[name](torch.bfloat16)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
     named = {}
     for number, site in enumerate(BF16_NOISE_SITES[name]):
         with planted(case.candidate, site, "noise", 1e-3):
@@ -431,10 +393,7 @@ def test_code_level_bugs_under_bf16_rounding_are_named(name, bug, expected, tmp_
         pytest.skip(unavailable(name))
     case = PAIRS[name](torch.bfloat16)
     bug(case.candidate)
-    reference_trace = trace_model(case.reference, case.reference_call, tmp_path / "reference")
-    floors = estimate_floors(
-        case.reference, case.reference_call, reference_trace, torch.bfloat16, tmp_path, case.cast_inputs
-    )
+    reference_trace, floors = reference_side(case, tmp_path)
     report = _judge(case, tmp_path, "buggy", reference_trace, floors)
     assert not report.passed and report.first_divergence.path == expected, report.culprit_reason
     assert report.origins[0] is report.first_divergence

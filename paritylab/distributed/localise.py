@@ -36,7 +36,7 @@ import torch
 
 from paritylab.comparison.report import Report, Row, slot_value
 from paritylab.distributed.launch import LaunchResult
-from paritylab.distributed.merge import MergedTrace, SlotMerge
+from paritylab.distributed.merge import MergedTrace, SlotMerge, rank_list
 from paritylab.tracing.tracefile import Trace, display_path
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
@@ -131,7 +131,7 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
     every = merge.holders
     if merge.rule == "stage" and agrees is not None and not any(agrees):
         message = (
-            f"{where}: computed on {_ranks(every)} alone (its pipeline stage), and its value differs from the "
+            f"{where}: computed on {rank_list(every)} alone (its pipeline stage), and its value differs from the "
             f"reference's ({_errors(merge)})"
         )
         return RankFinding(row.path, "rank", every, message, evidence=evidence, **base)
@@ -162,8 +162,8 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
         right = [rank for rank, ok in zip(every, agrees, strict=True) if ok]
         piece = "shard" if merge.rule in ("concat", "shard") else "value"
         message = (
-            f"{where}: {_ranks(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
-            f"{_ranks(right)}'s agrees"
+            f"{where}: {rank_list(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
+            f"{rank_list(right)}'s agrees"
         )
         return RankFinding(row.path, "rank", wrong, message, evidence=evidence, **base)
     if agrees is not None and not any(agrees):
@@ -212,9 +212,9 @@ def _handoff(row: Row, report: Report, merged: MergedTrace, reference: Trace) ->
         error = inner.input_metrics.get("rel_l2")
         shown = f" (rel_l2 {error:.2g})" if error is not None else ""
         message = (
-            f"{display_path(row.path)}: the hand-off from {_ranks(senders)} to {_ranks(receivers)}: "
-            f"{display_path(given.path)}'s output on {_ranks(senders)} agrees with the reference, "
-            f"{display_path(inner.path)}'s input on {_ranks(receivers)} does not{shown}: what was sent is not "
+            f"{display_path(row.path)}: the hand-off from {rank_list(senders)} to {rank_list(receivers)}: "
+            f"{display_path(given.path)}'s output on {rank_list(senders)} agrees with the reference, "
+            f"{display_path(inner.path)}'s input on {rank_list(receivers)} does not{shown}: what was sent is not "
             "what the next stage received, or not the value it should have sent"
         )
         evidence = {"sender": given.path, "receiver": inner.path, "input_rel_l2": error}
@@ -250,11 +250,6 @@ def _constant_offset(row: Row, merged: MergedTrace, reference: Trace) -> float |
 
 def _where(row: Row) -> str:
     return f"{display_path(row.path)} ({row.candidate.slot if row.candidate else row.reference.slot})"
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``rank 1`` or ``ranks 0, 2``."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _errors(merge: SlotMerge, ranks: list[int] | None = None) -> str:

@@ -25,8 +25,9 @@ rule that applies (:class:`SlotMerge.rule`):
     mesh (tensor parallel inside data or pipeline parallel replicas fed the same inputs) the ranks are several
     replicas of one sharding: ``n`` ranks, ``k`` pieces, rank ``r`` holding piece ``r % k`` (consecutive ranks
     shard: the mesh's last dimension) or ``r // (n / k)``; the layout whose shapes concatenate to the
-    reference's and whose replicas agree most is taken, the first replica's pieces make the value, and every
-    rank's piece is judged against its part (:attr:`SlotMerge.parts`).
+    reference's and whose replicas agree most is taken, every rank's piece is judged against its part
+    (:attr:`SlotMerge.parts`), and each part comes from the replica furthest from the reference (so a check
+    passes only if every replica's piece does).
 ``partial``
     Same shape as the reference on every rank, different values, and the module is declared to return a
     partial sum that its caller reduces (``partial_outputs``): the sum.
@@ -300,7 +301,7 @@ class _Merger:
         """One note per set of ranks that alone made some calls (a pipeline's stages), with examples."""
         for holders, keys in sorted(self.partial_calls.items()):
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-            only = ("rank " if len(holders) == 1 else "ranks ") + ", ".join(map(str, holders))
+            only = rank_list(holders)
             calls = f"{len(keys)} call" + ("s" if len(keys) > 1 else "")
             self.notes.append(f"{calls} made on {only} only ({shown}): merged from the ranks that made them")
 
@@ -551,17 +552,25 @@ class _Rules:
         record, values = self.record, self.values
         record.rule, record.dim = rule, dim
         merged = torch.cat(values, dim=dim)
-        expected = self.expected
-        if expected is not None and list(expected.shape) == list(merged.shape):
-            sizes = [value.shape[dim] for value in values]
-            starts = [sum(sizes[:rank]) for rank in range(len(values))]
-            parts = [expected.narrow(dim, start, size) for start, size in zip(starts, sizes, strict=True)]
-            judged = [self._judge(part, value) for part, value in zip(parts, values, strict=True)]
-            record.errors = [error for error, _ in judged]
-            record.agrees = [agrees for _, agrees in judged]
-            if not all(record.agrees) and len(values) <= MAX_ORDER_RANKS:
-                record.holds = [self._which_part(value, parts, rank) for rank, value in enumerate(values)]
+        self._judge_parts(dim, [value.shape[dim] for value in values], list(range(len(values))), merged.shape)
         return merged
+
+    def _judge_parts(self, dim: int, sizes: list[int], layout: list[int], shape: Sequence[int]) -> bool:
+        """Judge each rank's piece against the reference's part ``layout[rank]`` (the reference cut along ``dim``
+        into pieces of ``sizes``): ``errors``, ``agrees`` and, when some fail, ``holds``. ``False`` (nothing
+        judged) when the reference has no value of the whole's ``shape``."""
+        expected, record = self.expected, self.record
+        if expected is None or list(expected.shape) != list(shape):
+            return False
+        starts = [sum(sizes[:part]) for part in range(len(sizes))]
+        parts = [expected.narrow(dim, start, size) for start, size in zip(starts, sizes, strict=True)]
+        pieces = list(zip(layout, self.values, strict=True))
+        judged = [self._judge(parts[part], value) for part, value in pieces]
+        record.errors = [error for error, _ in judged]
+        record.agrees = [agrees for _, agrees in judged]
+        if not all(record.agrees) and len(self.values) <= MAX_ORDER_RANKS:
+            record.holds = [self._which_part(value, parts, part) for part, value in pieces]
+        return True
 
     def _replicated_shards(self, shapes: list[list[int]], reference_shape: list[int]) -> torch.Tensor | None:
         """The value of ranks that are replicas of one sharding (module docstring, ``concat``), else ``None``."""
@@ -595,20 +604,11 @@ class _Rules:
             f"{'r % ' + str(pieces) if layout[1] == 1 else 'r // ' + str(count // pieces)}): "
         )
         chosen = list(firsts)
-        expected = self.expected
-        shape = list(torch.cat([values[first] for first in firsts], dim=dim).shape)
-        if expected is not None and list(expected.shape) == shape:
-            sizes = [values[first].shape[dim] for first in firsts]
-            starts = [sum(sizes[:part]) for part in range(pieces)]
-            parts = [expected.narrow(dim, start, size) for start, size in zip(starts, sizes, strict=True)]
-            judged = [self._judge(parts[part], values[rank]) for rank, part in enumerate(layout)]
-            record.errors = [error for error, _ in judged]
-            record.agrees = [agrees for _, agrees in judged]
+        if self._judge_parts(dim, [values[first].shape[dim] for first in firsts], layout, reference_shape):
+            errors = record.errors or []
             for part in range(pieces):  # each part from the replica furthest from the reference, as ``disagree``
                 holders = [rank for rank, own in enumerate(layout) if own == part]
-                chosen[part] = max(holders, key=lambda rank: (_sortable(record.errors[rank]), -rank))  # type: ignore[index]
-            if not all(record.agrees) and count <= MAX_ORDER_RANKS:
-                record.holds = [self._which_part(values[rank], parts, part) for rank, part in enumerate(layout)]
+                chosen[part] = max(holders, key=lambda rank: (_sortable(errors[rank]), -rank))
             record.note += "each shard from the replica furthest from the reference"
         else:
             record.note += "the first replica's shards concatenated"
@@ -677,6 +677,11 @@ class _Rules:
             return (0.0 if same else 1.0), same
         metrics = divergence(expected, value, self.tolerance)
         return float(metrics["rel_l2"]), within(metrics)
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def call_order(orders: Sequence[Sequence[str]]) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from paritylab.distributed.placements import PlacementRecorder
-from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.tracefile import TRACE_FILE, Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
 RANK_PREFIX = "rank"
@@ -37,8 +37,6 @@ def rank_directory(directory: str | Path, rank: int) -> Path:
 def rank_directories(directory: str | Path) -> list[Path] | None:
     """The rank folders ``rank0`` ... ``rank<n-1>`` under ``directory`` that hold traces, in rank order; ``None``
     when there is no ``rank0`` trace (not a folder of rank traces). Raises one line when ranks are missing."""
-    from paritylab.tracing.tracefile import TRACE_FILE
-
     root = Path(directory)
     if not (rank_directory(root, 0) / TRACE_FILE).is_file():
         return None
