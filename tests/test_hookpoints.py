@@ -180,3 +180,30 @@ def test_a_bug_in_a_wrapper_only_one_side_has_is_named_at_the_module_whose_value
     result = paritylab.check(reference, candidate, tmp_path / "bug", **call)
     assert result.verdict == "fail" and result.report.first_divergence.path == "blocks.1.fc_out"
     assert "blocks.1.mlp returns it with relative error" in result.report.first_divergence.note
+
+
+@pytest.mark.parametrize(
+    ("site", "expected", "said"),
+    [
+        ("blocks.1.hook_pre", "blocks.1.fc_in", "blocks.1.hook_pre returns it with relative error 0.001"),
+        ("blocks.0.hook_post", "blocks.0.act", "1.00e-03 relative error"),  # paired with act, handed its output
+    ],
+)
+def test_a_hook_point_bug_that_bf16_rounds_away_is_named_by_the_lifted_replay(tmp_path, site, expected, said):
+    """×1.001 at a hook point of a bf16 candidate changes no value the candidate computes (it rounds back), yet the
+    code is wrong: the float32 copy with the same weights sees the hook change its input, and names the module
+    whose value it hands on (before: the enclosing block; or the right module with an error of 1.08, the hook
+    point having been fed act's input in the replay)."""
+    reference, candidate = _pair()
+    candidate = candidate.to(torch.bfloat16)
+    call = {"reference_call": lambda m: m(X), "candidate_call": lambda m: m(X.to(torch.bfloat16))}
+    assert paritylab.check(reference, candidate, tmp_path / "clean", **call).verdict == "pass"
+    with torch.no_grad():
+        before = candidate(X.to(torch.bfloat16))
+        handle = candidate.get_submodule(site).register_forward_hook(lambda _m, _a, out: out * 1.001)
+        assert torch.equal(candidate(X.to(torch.bfloat16)), before)  # no value of the candidate's run changed
+    result = paritylab.check(reference, candidate, tmp_path / "bug", **call)
+    handle.remove()
+    assert result.verdict == "fail" and result.report.first_divergence.path == expected
+    note = result.report.first_divergence.note
+    assert said in note and "computed in float32" in note

@@ -133,6 +133,8 @@ def attach_replay(
             row.local["amplification"] = output / inherited
         if reason and row.verdict == "pass" and row.status != "identity":
             row.verdict, row.note = "fail", f"{reason} (isolated replay)"
+    if lifted is not None:
+        _changed_after_lifted(report.rows, lifted, lifted_rows)
     own_errors = [row for row in report.rows if row.local.get("local_diverged") and row.status != "identity"]
     for culprit, note in fed_wrong.values():
         culprit.verdict, culprit.note = "fail", note
@@ -149,6 +151,19 @@ def attach_replay(
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
     return report
+
+
+def _changed_after_lifted(rows: list[Row], lifted: LiftedReplay, lifted_rows: Mapping[str, Row]) -> None:
+    """Rows whose value the candidate's code with no counterpart changes after them in the lifted replay only (a
+    hook point's error that the candidate's precision rounded away): each is an own error, as such a change in
+    the free run is a charge (:func:`~paritylab.comparison.verify.verify_pairs`)."""
+    for row in rows:
+        why = lifted.changed_after(lifted_rows.get(row.reference.key))
+        if why is None or row.local.get("local_diverged") or row.status not in ("compared", "unmatched"):
+            continue
+        row.local.update({"local_diverged": 1.0, "lifted_diverged": 1.0, CHANGED_AFTER: 1.0})
+        if CHANGED_AFTER not in row.metrics:  # else the free run charged it already, and said so
+            row.verdict, row.note = "fail", f"{why} (lifted replay)"
 
 
 def _systematic(
@@ -396,7 +411,7 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
         chosen, reason = replayed[0], "the earliest module whose own error (isolated replay) exceeds its local floor"
         if chosen.local.get("lifted_diverged"):
             reason = "the earliest module whose own code differs with the same low-precision weights in float32"
-            reason += " (lifted replay)"
+            reason = chosen.note if chosen.local.get(CHANGED_AFTER) else f"{reason} (lifted replay)"
     if chosen is None:
         return
     maker = unmatched_maker(chosen, report.rows, reference, replay, report.alignment)

@@ -45,6 +45,7 @@ from paritylab.comparison.twins import (
     twins,
     unwrap,
 )
+from paritylab.comparison.verify import CHANGED_AFTER, charge_hand_ons
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
@@ -74,6 +75,10 @@ class LiftedReplay:
     """Candidate module paths that hold no parameter and no state a cast rounded (:func:`exact_sources`): a value
     such a module made from positions or other cast-proof inputs alone (rotary frequencies computed once and
     handed to every attention) is the one the candidate computes in float32, counterpart or none."""
+    handed_on: frozenset[str] = frozenset()
+    """Candidate call keys that returned their input bit for bit in the candidate's own run (hook points): one that
+    changes it in the lifted replay is code the candidate's precision rounded away
+    (:func:`~paritylab.comparison.verify.charge_hand_ons`)."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
@@ -87,21 +92,35 @@ class LiftedReplay:
 
     def _judge(self, tolerances: Tolerances) -> dict[str, Row]:
         report = compare_traces(self.reference, self.candidate, alignment=self.alignment, tolerances=tolerances)
+        margin = DIVERGENCE_MARGIN * max(tolerances.resolve("", "float32").rtol, 1e-12)
+        charge_hand_ons(report.rows, self.reference, self.candidate, self.alignment, self.handed_on, margin)
         rows = {
             row.reference.key: row
             for row in report.rows
-            if row.reference.key in self.eligible or (row.observed and row.reference.key in self.observers)
+            if row.reference.key in self.eligible
+            or (row.observed and row.reference.key in self.observers)
+            or CHANGED_AFTER in row.metrics  # code with no counterpart changed its value (no weights involved)
         }
         for row in rows.values():
             if row.input_diverged and not self._floating_input(row):
                 row.input_diverged = False  # token or position ids: what each side chose to pass, not values
         return rows
 
+    def changed_after(self, row: Row | None) -> str | None:
+        """Why the candidate changes ``row``'s value after it in float32 (:mod:`paritylab.comparison.verify`: a
+        hook point or a wrapper that hands values on returned another one, by more than float32's rounding), or
+        ``None``. No weight takes part in such a change, and an identity's float32 copy returns its input bit for
+        bit: the change is code, although the candidate's own precision rounded it away."""
+        margin = DIVERGENCE_MARGIN * Tolerances().resolve(row.path if row else "", "float32").rtol
+        if row is None or row.metrics.get(CHANGED_AFTER, 0.0) <= margin:
+            return None  # none, or float32's rounding: a replay hands modules values made elsewhere
+        return f"{row.note}, with the same {self.dtype} weights computed in float32"
+
     def own_error(self, row: Row | None) -> str | None:
         """Why a lifted row shows an error in its module's own code, or ``None`` when it does not (or cannot
         tell: not compared, fed another value, or its code rounds to low precision itself)."""
-        if row is None or row.status != "compared" or not row.diverged:
-            return None
+        if row is None or row.status != "compared" or not row.diverged or CHANGED_AFTER in row.metrics:
+            return None  # a value changed after it is no error of its own (:meth:`changed_after`)
         if row.reference.key in self.fed:  # it computed from the reference's own input
             return None if self._rounds(row) else self._own_error(row)
         if row.input_diverged:

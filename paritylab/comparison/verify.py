@@ -119,6 +119,95 @@ def verify_pairs(
     return charged
 
 
+def charge_hand_ons(
+    rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment, handed_on: frozenset[str], margin: float
+) -> dict[int, str]:
+    """Candidate calls left unpaired that handed their input on unchanged in the candidate's own run
+    (``handed_on``: their keys; hook points) but change it in this one (a float32 replay), while every other call
+    of their class returns its input bit for bit: the change is code, which the candidate's precision rounded
+    away (a hook scaling by 1.001 in bfloat16). Each is charged, as :func:`verify_pairs` charges a
+    near-identity, to the reference module that made the value it was handed: its producer's counterpart, else
+    the reference call inside the counterpart of its nearest paired ancestor whose output that value is (within
+    ``margin``; a replay hands a module its counterpart's value, whose producer it does not record). Returns the
+    rows charged (reference call index -> why)."""
+    paired = {candidate.call(pair.candidate).index: pair for pair in alignment.pairs}
+    by_class: dict[str, list[tuple[CallRecord, float]]] = {}
+    for call in candidate.calls:
+        handed, returned = _value(candidate, _first(call, "inputs")), _value(candidate, _first(call, "outputs"))
+        if call.index in paired or handed is None or returned is None or handed.shape != returned.shape:
+            continue
+        if handed.is_floating_point():
+            by_class.setdefault(call.cls, []).append((call, _relative(returned, handed)))
+    by_index = {row.index: row for row in rows}
+    charged: dict[int, str] = {}
+    for calls in by_class.values():
+        changed = [(call, change) for call, change in calls if change > 0]
+        if len(calls) < 2 or len(changed) == len(calls) or any(call.key not in handed_on for call, _ in changed):
+            continue  # not a class that hands values on, or a call that changed them in the candidate's own run
+        for call, change in changed:
+            source = _handed_source(call, reference, candidate, paired, by_index, margin)
+            if source is not None:
+                why = "code with no counterpart, such as a hook point"
+                _charge(source, call.path, change, why, charged)
+    return charged
+
+
+def hands_on_output(reference: Trace, candidate: Trace, pair: Pair) -> bool:
+    """The pair's candidate call is handed a value nearer its counterpart's output than its counterpart's input (an
+    observer paired with the module whose value it hands on): a replay must not feed it the reference's input."""
+    call, other = reference.call(pair.reference), candidate.call(pair.candidate)
+    handed = _value(candidate, _first(other, "inputs"))
+    taken, made = _value(reference, _first(call, "inputs")), _value(reference, _first(call, "outputs"))
+    if handed is None or made is None or not handed.is_floating_point() or not _fits(handed, made):
+        return False
+    to_output = _relative(in_layout(handed, made.shape), made)
+    if taken is None or not _fits(handed, taken):
+        return to_output < REFUTED_ERROR
+    return to_output < _relative(in_layout(handed, taken.shape), taken)
+
+
+def handing_on(trace: Trace) -> frozenset[str]:
+    """Keys of the calls that returned their (first) input bit for bit: what :func:`charge_hand_ons` takes as
+    ``handed_on``."""
+    found = set()
+    for call in trace.calls:
+        handed, returned = _value(trace, _first(call, "inputs")), _value(trace, _first(call, "outputs"))
+        if handed is not None and returned is not None and handed.shape == returned.shape:
+            found.update([call.key] if handed.dtype == returned.dtype and torch.equal(handed, returned) else [])
+    return frozenset(found)
+
+
+def _handed_source(
+    call: CallRecord,
+    reference: Trace,
+    candidate: Trace,
+    paired: Mapping[int, Pair],
+    by_index: Mapping[int, Row],
+    margin: float,
+) -> Row | None:
+    """The reference row whose value the candidate ``call`` was handed (see :func:`charge_hand_ons`)."""
+    node = _first(call, "inputs")
+    producer = node.get("from") if node is not None else None
+    if isinstance(producer, int) and producer in paired and _whole(paired[producer]):
+        return by_index.get(reference.call(paired[producer].reference).index)
+    ancestor = call.parent
+    while ancestor is not None and ancestor not in paired:
+        ancestor = candidate.calls[ancestor].parent
+    if ancestor is None:
+        return None
+    scope = reference.call(paired[ancestor].reference).index
+    handed = _value(candidate, node)
+    assert handed is not None  # a call whose input has no value is never charged
+    found = None
+    for row in by_index.values():  # a replay hands on its counterpart's value, made by a paired module
+        if row.status not in ("compared", "unmatched") or not _within(reference, reference.calls[row.index], scope):
+            continue
+        made = _value(reference, _first(reference.calls[row.index], "outputs"))
+        if made is not None and _fits(handed, made) and _relative(in_layout(handed, made.shape), made) <= margin:
+            found = row if found is None or row.index > found.index else found  # the innermost that made it
+    return found
+
+
 def _fed_in_its_place(reference: Trace, candidate: Trace, alignment: Alignment, made: int, wrapper: int) -> bool:
     """Some pair's reference call is fed the value reference call ``made`` returned, as it was made (data flow),
     while its counterpart is fed the candidate ``wrapper``'s value (data flow, or the same values: ``x + 0``

@@ -21,6 +21,7 @@ from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weightless
 from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap
+from paritylab.comparison.verify import handing_on, hands_on_output
 from paritylab.run.resident import available_memory, converted_copy
 from paritylab.tracing.initial import reset_caches
 from paritylab.tracing.tracefile import Trace
@@ -100,8 +101,9 @@ def lift(
     forced = frozenset(pair.reference for pair in alignment.pairs if pair.candidate in fed)
     sources = exact_sources(candidate, found.proven, dtype)
     lifted = LiftedReplay(
-        str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources
-    )
+        str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources,
+        handing_on(candidate_trace),
+    )  # fmt: skip
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())
     if differing >= max(SYSTEMIC_MODULES, SYSTEMIC_SHARE * len(rows)):
@@ -129,6 +131,7 @@ def _fed_leaves(
         if pair.reference in eligible
         and candidate_trace.call(pair.candidate).index not in parents
         and fed_value(reference_trace, candidate_trace, pair) is not None
+        and not hands_on_output(reference_trace, candidate_trace, pair)  # a hook point handed its pair's output
     )
 
 
