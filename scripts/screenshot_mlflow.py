@@ -8,8 +8,8 @@ In a scratch directory it starts ``mlflow server`` on 127.0.0.1 and logs to it, 
 (the port), a failing one (the port with one projection scaled by 1.05), a sweep (bf16 and sdpa), and three
 scheduled nights of one pair (``tracking.trend=true``), the third with one projection scaled by 1.0001 in the
 candidate's code (within tolerance: it passes, and regresses against the nights before). Then it screenshots
-the experiment as it opens, the runs list its description links to, a failing run's charts, the trend run's
-charts and its layer × night heatmap, and removes the scratch directory.
+the page ``mlflow ui`` opens on, the experiment as it opens, the runs list its description links to, a failing
+run's charts, the trend run's charts and its layer × night heatmap, and removes the scratch directory.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> int:
         base = f"{uri}/#/experiments/{experiment}"
         view = "?workflowType=machine_learning"  # the model-training view, as the description's link opens
         shots = [
+            (f"{uri}/", "mlflow_home.png"),  # where `mlflow ui` opens: its home page, the recent experiments
             (base, "mlflow_landing.png"),  # where the experiment opens: MLflow 3.17's GenAI overview
             (f"{uri}/{runs_link(experiment)}", "mlflow_runs.png"),  # the description's link: paritylab's view
             (f"{base}/runs/{failing.info.run_id}/model-metrics{view}", "mlflow_depth.png"),

@@ -45,6 +45,8 @@ class Page(HTMLParser):
         super().__init__()
         self.links: list[tuple[str, str]] = []
         self.cells: dict[str, dict[str, str]] = {}
+        self.text = ""
+        """Every text the page shows, in order, separated by single spaces."""
         self._stack: list[tuple[str, str | None, str | None, str | None]] = []  # tag, href, row id, column id
         self.feed(html)
 
@@ -61,6 +63,7 @@ class Page(HTMLParser):
             self.cells.setdefault(row, {})[column] = ""
 
     def handle_data(self, data: str) -> None:
+        self.text = " ".join(f"{self.text} {data}".split())
         if any(item[0] == "a" for item in self._stack) and self.links:
             self.links[-1] = (self.links[-1][0], " ".join(f"{self.links[-1][1]} {data}".split()))
         cell = next(((item[2], item[3]) for item in reversed(self._stack) if item[3]), None)
@@ -74,16 +77,17 @@ class Page(HTMLParser):
                 break
 
 
-def render(url: str, wanted: str) -> Page:
+def render(url: str, wanted: str, in_text: bool = False) -> Page:
     """``url`` as headless Chromium renders it (a fresh profile: no view the UI remembers), once the page shows
-    ``wanted`` (the UI draws after its requests answer: a busy machine gets two more tries)."""
+    ``wanted`` in a link (or, ``in_text``, anywhere: the UI draws after its requests answer: a busy machine gets two
+    more tries)."""
     page = Page("")
     for budget in (15000, 30000, 60000):
         with tempfile.TemporaryDirectory(prefix="paritylab-chromium-") as profile:
             command = [CHROMIUM or "chromium", *FLAGS, f"--user-data-dir={profile}",
                        f"--virtual-time-budget={budget}", "--dump-dom", url]  # fmt: skip
             page = Page(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
-        if any(wanted in text or wanted in href for href, text in page.links):
+        if (in_text and wanted in page.text) or any(wanted in text or wanted in href for href, text in page.links):
             break
     return page
 
@@ -116,6 +120,13 @@ def test_the_runs_list_shows_each_runs_verdict_and_first_divergence_with_nothing
     runs_list = runs_link(found.experiment_id)
     landing = render(f"{mlflow_server}/#/experiments/{found.experiment_id}", runs_list)
     assert runs_list in [href for href, _ in landing.links]
+    # The description's first line is the newest run, its verdict and where divergence starts, and the verdicts
+    # of the newest runs: on that view, and on the page `mlflow ui` opens on (its home page's recent experiments).
+    newest = f"FAIL llava/port seed=0 @ {FIRST_DIVERGENCE} (the newest of 2 runs: 1 fail, 1 pass)"
+    assert found.tags["mlflow.note.content"].split("\n")[0] == newest
+    assert newest in landing.text
+    home = render(f"{mlflow_server}/", newest, in_text=True)
+    assert experiment in [text for _, text in home.links] and newest in home.text
 
     # There, with no column set up, each run's name says its verdict and where divergence starts; the view's
     # columns say them again, the first divergence in full.

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paritylab.reports.plots import trend_heatmap
-from paritylab.sink.history import FINGERPRINT, Regression, assess, layer_errors
+from paritylab.sink.history import FINGERPRINT, TREND, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
 from paritylab.sink.store import RUN_UID, TREND_STEPS, Store
 from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, log10_for_charts, metric_key
@@ -93,6 +93,7 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     copied = log_directory(tracker, directory, record.log_tensors)
     tracker.set_tags({PUBLISHED: "true"})
     tracker.end(record.status)
+    summarise_experiment(tracker)
     if not record.keep_local:
         drop_local_copies(tracker, directory, copied)
     return regression
@@ -116,9 +117,46 @@ def outcome(verdict: str, regression: str | None = None, status: str = "FINISHED
     return word if word in AGGREGATE_ORDER else "error"
 
 
+def tally(outcomes: list[str]) -> str:
+    """``1 fail, 3 pass``: how many runs had each outcome, in :data:`AGGREGATE_ORDER`."""
+    from collections import Counter
+
+    counted = sorted(Counter(outcomes).items(), key=lambda item: AGGREGATE_ORDER.index(item[0]))
+    return ", ".join(f"{number} {word}" for word, number in counted)
+
+
 def aggregate(outcomes: list[str]) -> str:
     """The outcome of a sweep from its jobs' (:data:`AGGREGATE_ORDER`); ``error`` when there is none."""
     return next((word for word in AGGREGATE_ORDER if word in outcomes), "error")
+
+
+NEWEST_RUNS = 50
+"""How many of an experiment's newest runs its description counts (:func:`summarise_experiment`)."""
+
+
+def summarise_experiment(tracker: Tracker) -> None:
+    """Start the experiment's description with its newest run's name (the verdict, what ran, where divergence
+    starts) and the outcomes of its newest runs (:data:`NEWEST_RUNS`; a sweep's jobs count in their parent, a
+    trend run's nights each in its own run): the first thing MLflow's UI shows of the experiment wherever it
+    opens, with nothing set up (the home page's list of experiments, the GenAI overview). Runs ending at once
+    each write what the store holds then; the last write stands. How the UI shows it is worth no failed run: an
+    error leaves the description as it was."""
+    try:
+        runs = [
+            tags
+            for tags in tracker.newest_runs(NEWEST_RUNS)
+            if "paritylab.verdict" in tags and tags.get(TREND) != "true"
+        ]
+        if not runs:
+            return
+        outcomes = [
+            outcome(tags["paritylab.verdict"], tags.get("paritylab.regression"), tags["status"]) for tags in runs
+        ]
+        newest = runs[0].get("mlflow.runName") or verdict_label(runs[0]["paritylab.verdict"])
+        counted = "the newest run" if len(runs) == 1 else f"the newest of {len(runs)} runs"
+        tracker.describe_experiment(f"{newest} ({counted}: {tally(outcomes)})")
+    except TrackingError:
+        pass
 
 
 def display_name(label: str, base: str, where: str | None = None, separator: str = " @ ") -> str:

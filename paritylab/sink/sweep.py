@@ -168,15 +168,12 @@ def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, A
     """The summary, counts and file on the parent run; its outcome (``paritylab.verdict``: ``interrupted``,
     ``error``, ``fail``, ``regressed``, ``inconclusive`` or ``pass``, the first of these a job has) and a name that
     starts with it and counts the jobs (``FAIL sweep/3: 1 fail, 3 pass``); the status: FINISHED, FAILED, KILLED."""
-    from collections import Counter
-
-    from paritylab.sink.publish import AGGREGATE_ORDER, aggregate, display_name, outcome
+    from paritylab.sink.publish import aggregate, display_name, outcome, summarise_experiment, tally
     from paritylab.sink.tracking import Metric, MlflowTracker, TrackingError
 
     outcomes = [outcome(str(job.get("verdict") or "error"), job.get("regression")) for job in jobs]
     verdict = "interrupted" if code == EXIT_INTERRUPTED else aggregate(outcomes)
-    counted = sorted(Counter(outcomes).items(), key=lambda item: AGGREGATE_ORDER.index(item[0]))
-    tally = ", ".join(f"{number} {word}" for word, number in counted) or "no jobs"
+    per_verdict = tally(outcomes) or "no jobs"
     regressed = any(job.get("regression") == "regressed" for job in jobs)
     try:
         tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
@@ -187,7 +184,7 @@ def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, A
                 "paritylab.sweep_exit_code": str(code),
                 "paritylab.verdict": verdict,
                 "paritylab.regression": "regressed" if regressed else "none",
-                "mlflow.runName": display_name(verdict.upper(), f"sweep/{state.get('number')}", tally, ": "),
+                "mlflow.runName": display_name(verdict.upper(), f"sweep/{state.get('number')}", per_verdict, ": "),
             }
         )
         counts = {"jobs": len(jobs), "failed": sum(1 for j in jobs if j["exit_code"])}
@@ -196,6 +193,7 @@ def _close_parent(state: dict[str, Any], directory: Path, jobs: list[dict[str, A
         tracker.log_artifact(directory / "sweep_summary.md")
         # FAILED: a job failed, regressed or errored; KILLED: the sweep was interrupted
         tracker.end("KILLED" if code == EXIT_INTERRUPTED else "FINISHED" if code == 0 else "FAILED")
+        summarise_experiment(tracker)
     except TrackingError as error:
         print(f"paritylab: could not log the sweep summary: {error}")
 

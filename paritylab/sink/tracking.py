@@ -116,6 +116,14 @@ class Tracker:
         """The store behind this tracker (baselines, trend runs, stale runs); ``None``: no store, no history."""
         return None
 
+    def newest_runs(self, limit: int) -> list[dict[str, str]]:
+        """The tags (``mlflow.runName`` and the status as ``status`` among them) of the experiment's newest finished
+        runs that are not a sweep's jobs, newest first, at most ``limit``."""
+        return []
+
+    def describe_experiment(self, summary: str) -> None:
+        """Put ``summary`` on the experiment's description, as its first line (see :func:`experiment_description`)."""
+
 
 class MlflowTracker(Tracker):
     def __init__(self, uri: str | None, experiment: str, timeout: float = 10.0, retries: int = 1) -> None:
@@ -244,6 +252,22 @@ class MlflowTracker(Tracker):
         if self.run_id is not None:
             self._call("end the run", self.client.set_terminated, self.run_id, status)
 
+    def newest_runs(self, limit: int) -> list[dict[str, str]]:
+        from mlflow.entities import ViewType
+
+        experiment_id = self.ensure_experiment()
+        found = self._call(
+            "list the newest runs", self.client.search_runs, [experiment_id], "attributes.status != 'RUNNING'",
+            ViewType.ACTIVE_ONLY, 4 * limit, ["attributes.start_time DESC"],
+        )  # fmt: skip
+        runs = [{**run.data.tags, "status": run.info.status} for run in found]
+        return [tags for tags in runs if "mlflow.parentRunId" not in tags][:limit]
+
+    def describe_experiment(self, summary: str) -> None:
+        experiment_id = self.ensure_experiment()
+        description = f"{summary}\n\n{experiment_description(experiment_id)}"
+        self._call("describe the experiment", self.client.set_experiment_tag, experiment_id, NOTE, description)
+
     def link(self) -> str:
         if self.run_id is None:
             return ""
@@ -296,6 +320,8 @@ MODEL_TRAINING = "custom_model_development"
 a ``custom_model_development`` experiment on its runs list, not on the GenAI overview. MLflow 3.17's UI takes the
 kind from its sidebar switch (GenAI / Model training, kept by the browser) instead, or from ``?workflowType=``
 in the address: the description's first line links to the runs list with ``workflowType=machine_learning``."""
+NOTE = "mlflow.note.content"
+"""The tag MLflow shows as an experiment's (or a run's) description."""
 RUNS_VIEW = "paritylab"
 """The experiment's saved view of its runs list (the experiment tag ``mlflow.sharedViewState.paritylab``, MLflow's
 "Views" menu): the verdict, first divergence and regression columns, wide enough to read a module's name. The
@@ -366,11 +392,12 @@ def _experiment_id(client: Any, name: str) -> str:
     view = f"mlflow.sharedViewState.{RUNS_VIEW}"
     found = client.get_experiment_by_name(name)
     if found is not None:
-        ours = view in found.tags or found.tags.get("mlflow.note.content", "").startswith("**paritylab")
+        note = found.tags.get(NOTE, "")
+        ours = view in found.tags or note.startswith("**paritylab") or f"viewStateShareKey={RUNS_VIEW}" in note
         missing = {
             EXPERIMENT_KIND: MODEL_TRAINING,
             view: runs_view(),
-            "mlflow.note.content": experiment_description(found.experiment_id),  # lost to a failed create
+            NOTE: experiment_description(found.experiment_id),  # lost to a failed create
         }
         for key, value in missing.items() if ours else ():
             if key not in found.tags:
@@ -384,7 +411,7 @@ def _experiment_id(client: Any, name: str) -> str:
         if found is None:
             raise
         return found.experiment_id
-    client.set_experiment_tag(experiment_id, "mlflow.note.content", experiment_description(experiment_id))
+    client.set_experiment_tag(experiment_id, NOTE, experiment_description(experiment_id))
     return str(experiment_id)
 
 
