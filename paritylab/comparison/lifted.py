@@ -16,8 +16,11 @@ That only holds where the weights are provably the same, so a module is judged t
   candidate's parameters there are all in that precision, or kept wider with values a reference parameter
   provably holds (a norm kept in float32: its twin is then left unrounded in the lifted reference), or hold a
   norm's scale minus one (``g = w - 1``: its twin then holds ``g + 1`` in the lifted reference);
-- its subtree holds no other floating-point tensor that rounding may have changed (a rotary table or inverse
-  frequencies cast with the model; integers, powers of two and mask fills survive any cast);
+- its subtree holds no other floating-point tensor that rounding may have changed (integers, powers of two and
+  mask fills survive any cast), unless the values prove what it held before: inverse frequencies that are the
+  rounding of a reference buffer are restored; a table (rotary sin and cos by position) that is, column for
+  column, the rounding of one the reference holds or computes has the lifted reference round its own the same
+  way, as the low-precision reference does (:func:`~paritylab.comparison.twins.rounded_tables`);
 - for a fused module paired by parts (one qkv against q, k and v) or a module paired with a run of modules
   (an MLP against its two projections), the same holds for the fused module against all its parts' pairs,
   or for the module against the whole run;

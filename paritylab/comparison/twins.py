@@ -16,6 +16,8 @@ from torch import nn
 
 from paritylab.tracing.initial import initial_state
 from paritylab.tracing.structure import MASK, ModulePrint
+from paritylab.tracing.tracefile import Trace
+from paritylab.tracing.values import iter_tensors
 
 LIFTED_DTYPE = torch.float32
 """What both sides compute in: wide enough that rounding is far below any error worth naming (fp32 pairs of
@@ -41,14 +43,22 @@ class Twins:
     restored: dict[int, torch.Tensor] = field(default_factory=dict)
     """id of a candidate buffer a cast rounded (a rotary ``inv_freq``) -> the reference buffer it is the rounding
     of: the lifted candidate holds that buffer's values, as it did before the cast."""
+    rounded_outputs: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Reference module path -> the output slots the lifted reference rounds to the candidate's precision: a table
+    the candidate holds rounded by a cast and the reference computes as it runs (rotary sin and cos by position,
+    :func:`rounded_tables`); a reference buffer holding such a table is rounded through :attr:`given`."""
 
 
-def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twins:
+def twins(
+    reference: nn.Module, candidate: nn.Module, dtype: torch.dtype, reference_trace: Trace | None = None
+) -> Twins:
     """The candidate's parameters kept wider than ``dtype`` (norms held in float32 inside a bfloat16 model), or
     stored as a reference parameter minus one, whose values a reference parameter provably holds (see
     :class:`Twins`). A wide parameter holding the reference's exact values keeps its twin unrounded; one holding
     its rounded values (a norm cast and then widened) needs nothing; one matching neither is not proven, and its
-    module is not lifted."""
+    module is not lifted. Buffers a cast rounded are proven by a reference buffer they are the rounding of, or
+    by a table the reference holds or computes (``reference_trace``'s outputs) that rounds to them
+    (:func:`rounded_tables`)."""
     params = [p for p in unwrap(candidate).parameters() if p.is_floating_point()]
     wide = [p for p in params if p.dtype != dtype]
     flat = [p for p in params if p.dim() == 1]  # a norm's scale
@@ -84,7 +94,101 @@ def twins(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> Twi
             shifted.add(id(twin))
             proven.add(id(param))
     restored = _rounded_buffers(reference, candidate, dtype)
-    return Twins(given, frozenset(shifted), frozenset(proven | set(restored)), restored)
+    tables, rounded_tables_held, outputs = rounded_tables(reference, reference_trace, candidate, dtype, set(restored))
+    given.update(rounded_tables_held)
+    return Twins(given, frozenset(shifted), frozenset(proven | set(restored) | tables), restored, outputs)
+
+
+TABLE_SOURCES = 4096
+"""Reference values examined as tables (:func:`rounded_tables`): its buffers and its parameterless modules' outputs,
+first called first."""
+
+
+def rounded_tables(
+    reference: nn.Module,
+    reference_trace: Trace | None,
+    candidate: nn.Module,
+    dtype: torch.dtype,
+    restored: set[int],
+) -> tuple[set[int], dict[int, torch.Tensor], dict[str, frozenset[str]]]:
+    """Candidate buffers a cast rounded that hold, row for row, the rounding of a table the reference holds or
+    computes as it runs, in any order of columns, a column repeated or not (TransformerLens' rotary ``sin`` and
+    ``cos`` by position, interleaved or not, against transformers' rotary module's outputs or GPT-J's
+    ``embed_positions``): ``(the candidate buffers proven, reference buffer id -> its rounded values, reference
+    module path -> its output slots to round)``. The lifted reference then computes with the very values the
+    candidate holds, as the low-precision reference does (its tables rounded by its own cast). The rows compared
+    are the first ones both hold (a table's rows beyond the positions run are never read); a buffer that matches
+    no table, or only some of its columns, is not proven, and its module is not lifted."""
+    tables = [
+        b
+        for b in unwrap(candidate).buffers()
+        if b.is_floating_point() and b.dtype == dtype and b.dim() >= 2 and id(b) not in restored and not cast_proof(b)
+    ]
+    if not tables:
+        return set(), {}, {}
+    sources = _table_sources(unwrap(reference), reference_trace)
+    proven: set[int] = set()
+    rounded: dict[int, torch.Tensor] = {}
+    outputs: dict[str, set[str]] = {}
+    columns: dict[tuple[int, int], set[bytes]] = {}  # (source, rows) -> its rounded columns
+    found: dict[tuple[object, ...], int | None] = {}  # a table's values -> the source it rounds from
+    for table in tables:
+        key = values_key(table)
+        if key not in found:  # one table per layer, the same values: examined once
+            found[key] = next(
+                (n for n, (*_, value) in enumerate(sources) if _rounds_to(value, table, dtype, columns, n)), None
+            )
+        source = found[key]
+        if source is None:
+            continue
+        where, held, value = sources[source]
+        proven.add(id(table))
+        if where == "buffer":
+            rounded[int(held)] = value.to(dtype)
+        else:
+            outputs.setdefault(where, set()).add(str(held))
+    return proven, rounded, {path: frozenset(slots) for path, slots in outputs.items()}
+
+
+def _table_sources(reference: nn.Module, trace: Trace | None) -> list[tuple[str, str | int, torch.Tensor]]:
+    """What a table may be the rounding of: ``("buffer", id, value)`` for the reference's buffers, ``(path, slot,
+    value)`` for the outputs of its parameterless modules (a table is made from positions, with no weight), in
+    the order they ran; the first row of a batch (at most :data:`TABLE_SOURCES`)."""
+    sources: list[tuple[str, str | int, torch.Tensor]] = [
+        ("buffer", id(b), b.detach()) for b in reference.buffers() if b.is_floating_point() and b.dim() >= 2
+    ]
+    if trace is None:
+        return sources
+    for call in trace.calls:
+        try:
+            module = reference.get_submodule(call.path)
+        except AttributeError:
+            continue
+        if next(module.parameters(), None) is not None:
+            continue
+        for slot, node in iter_tensors(call.outputs, "outputs"):
+            if len(node.get("shape", ())) >= 2 and str(node.get("dtype", "")).startswith("float"):
+                value = trace.tensor(node)
+                if value is not None:
+                    sources.append((call.path, slot, value.reshape(-1, *value.shape[-2:])[0]))
+        if len(sources) > TABLE_SOURCES:
+            break
+    return sources
+
+
+def _rounds_to(
+    value: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, columns: dict[tuple[int, int], set[bytes]], index: int
+) -> bool:
+    """Every column of ``table``'s first rows is, value for value, a column of ``value``'s first rows rounded to
+    ``dtype`` (the rows both hold, at least two). ``columns`` keeps each source's rounded columns (``index``)."""
+    rows = min(value.reshape(-1, value.shape[-1]).shape[0], table.reshape(-1, table.shape[-1]).shape[0])
+    if rows < 2 or value.dtype == dtype:
+        return False
+    if (index, rows) not in columns:
+        wide = value.reshape(-1, value.shape[-1])[:rows].to(dtype).T.contiguous()
+        columns[index, rows] = {column.numpy().tobytes() for column in wide.view(torch.int16)}
+    held = table.detach().reshape(-1, table.shape[-1])[:rows].T.contiguous()
+    return all(column.numpy().tobytes() in columns[index, rows] for column in held.view(torch.int16))
 
 
 def _rounded_buffers(reference: nn.Module, candidate: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:

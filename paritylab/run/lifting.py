@@ -62,7 +62,7 @@ def lift(
             )
         return None
     try:
-        found = twins(reference, candidate, dtype)  # what the copies and the weights check share
+        found = twins(reference, candidate, dtype, reference_trace)  # what the copies and the weights check share
         eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype, found)
     except Exception as error:  # parameters fingerprinting cannot read (a tensor subclass): nothing to lift
         if notes is not None:
@@ -155,9 +155,29 @@ def lifted_reference(
 ) -> nn.Module:
     """A float32 copy of the reference with its parameters rounded to ``dtype`` (buffers as they are), except
     those ``candidate`` provably holds otherwise (:func:`~paritylab.comparison.twins.twins`: kept wider, or
-    stored minus one), which hold what the candidate computes with."""
-    given = (found or twins(reference, candidate, dtype)).given if candidate is not None else None
-    return converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=given)
+    stored minus one), which hold what the candidate computes with; the tables the candidate holds rounded by a
+    cast (rotary sin and cos), buffers or outputs, rounded as well."""
+    found = found or (twins(reference, candidate, dtype) if candidate is not None else None)
+    copy = converted_copy(unwrap(reference), LIFTED_DTYPE, rounded_to=dtype, given=found.given if found else None)
+    for path, slots in found.rounded_outputs.items() if found else ():
+        copy.get_submodule(path).register_forward_hook(_rounding(slots, dtype))
+    return copy
+
+
+def _rounding(slots: frozenset[str], dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
+    """A forward hook that rounds the output ``slots`` (``outputs.0``: a tuple's first item) to ``dtype``, kept in
+    the dtype they were computed in: a table the candidate holds rounded (:attr:`Twins.rounded_outputs`)."""
+
+    def rounded(value: Any, slot: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype).to(value.dtype) if slot in slots and value.is_floating_point() else value
+        if isinstance(value, tuple | list):
+            return type(value)(rounded(item, f"{slot}.{index}") for index, item in enumerate(value))
+        if isinstance(value, dict):
+            return type(value)({key: rounded(item, f"{slot}.{key}") for key, item in value.items()})
+        return value
+
+    return lambda _module, _args, output: rounded(output, "outputs")
 
 
 def lifted_candidate(
