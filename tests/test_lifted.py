@@ -409,3 +409,30 @@ def _lifted(reference: nn.Module, candidate: nn.Module, x: torch.Tensor, directo
         directory, notes,
     )  # fmt: skip
     return lifted, notes
+
+
+class Tabled(nn.Module):
+    """A layer holding a position table (sin and cos side by side, as GPT-J's ``embed_positions``)."""
+
+    def __init__(self, rows: int, interleaved: bool = False) -> None:
+        super().__init__()
+        angles = torch.arange(rows, dtype=torch.float64)[:, None] * (0.37 ** torch.arange(4, dtype=torch.float64))
+        table = torch.cat([angles.sin(), angles.cos()], dim=-1).float()
+        self.register_buffer("table", table.repeat_interleave(2, dim=-1) if interleaved else table)
+
+
+def test_a_table_a_cast_rounded_is_proven_from_every_reference_table_it_rounds(tmp_path):
+    """The candidate's rounded tables (another number of rows, columns repeated: interleaved) are, column for column,
+    the rounding of the reference's, whatever their order: proven, and every reference buffer holding the table
+    (one per layer) is rounded in the lifted reference; a table that matches none (another frequency) is not."""
+    reference = nn.Sequential(Tabled(16), Tabled(16))
+    candidate = nn.Sequential(Tabled(32, interleaved=True), Tabled(32, interleaved=True)).to(torch.bfloat16)
+    found = twins(reference, candidate, torch.bfloat16)
+    assert {id(b) for b in candidate.buffers()} <= found.proven
+    assert set(found.given) == {id(b) for b in reference.buffers()}  # both layers' tables, not only the first
+    for buffer in reference.buffers():
+        assert torch.equal(found.given[id(buffer)], buffer.to(torch.bfloat16))
+    wrong = nn.Sequential(Tabled(32)).to(torch.bfloat16)
+    with torch.no_grad():
+        wrong[0].table[:, 0] = (torch.arange(32.0) * 0.5).sin().to(torch.bfloat16)  # a column no reference holds
+    assert not {id(b) for b in wrong.buffers()} & twins(reference, wrong, torch.bfloat16).proven

@@ -455,3 +455,31 @@ def test_start_up_is_timed_from_paritylab_not_from_the_shell_that_became_the_pro
         < seconds["imports"]
         < whole - 4 - sum(value for key, value in seconds.items() if key != "imports") + 1.0
     )
+
+
+def test_the_experiment_description_leads_with_the_newest_run_and_keeps_what_a_person_wrote(tmp_path):
+    """The description's first line is replaced after each run (the newest run's name, the verdicts of the newest
+    runs); what a person wrote below it stays; an experiment paritylab did not make keeps its description."""
+    uri = migrated_store(tmp_path / "mlflow.db")
+    client = MlflowClient(uri)
+
+    def one(*overrides: str):
+        cfg = compose([f"tracking.uri={uri}", "compare.replay=false", *overrides])
+        return run(cfg, fresh_directory(str(tmp_path / "run")), echo=lambda _: None)
+
+    first = one("tracking.experiment=ours")
+    experiment = client.get_experiment_by_name("ours")
+    lines = experiment.tags["mlflow.note.content"].split("\n")
+    assert lines[0] == f"{client.get_run(first.run_id).info.run_name} (the newest run: 1 pass)"
+    assert lines[2].startswith("**paritylab: [the runs list]")  # paritylab's own text below it
+    client.set_experiment_tag(experiment.experiment_id, "mlflow.note.content", f"{lines[0]}\n\nour notes")
+    second = one("tracking.experiment=ours", "candidate=sdpa")
+    described = client.get_experiment_by_name("ours").tags["mlflow.note.content"]
+    newest = client.get_run(second.run_id).info.run_name
+    assert newest == "PASS llava/sdpa seed=0"
+    assert described == f"{newest} (the newest of 2 runs: 2 pass)\n\nour notes"
+
+    theirs = client.create_experiment("theirs", tags={"mlflow.note.content": "team notes"})
+    one("tracking.experiment=theirs")
+    assert client.get_experiment(theirs).tags["mlflow.note.content"] == "team notes"
+    assert "paritylab.summary" not in client.get_experiment(theirs).tags

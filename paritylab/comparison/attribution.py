@@ -32,7 +32,7 @@ from paritylab.comparison.report import (
     unmatched_feeding,
     unmatched_maker,
 )
-from paritylab.comparison.verify import CHANGED_AFTER
+from paritylab.comparison.verify import CHANGED_AFTER, HANDED_ON_CHANGE
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
 
@@ -158,10 +158,13 @@ def _changed_after_lifted(rows: list[Row], lifted: LiftedReplay, lifted_rows: Ma
     hook point's error that the candidate's precision rounded away): each is an own error, as such a change in
     the free run is a charge (:func:`~paritylab.comparison.verify.verify_pairs`)."""
     for row in rows:
-        why = lifted.changed_after(lifted_rows.get(row.reference.key))
+        lifted_row = lifted_rows.get(row.reference.key)
+        why = lifted.changed_after(lifted_row)
         if why is None or row.local.get("local_diverged") or row.status not in ("compared", "unmatched"):
             continue
-        row.local.update({"local_diverged": 1.0, "lifted_diverged": 1.0, CHANGED_AFTER: 1.0})
+        assert lifted_row is not None  # a row with a change has a lifted row
+        change = lifted_row.metrics[HANDED_ON_CHANGE]
+        row.local.update({"local_diverged": 1.0, "lifted_diverged": 1.0, CHANGED_AFTER: change})
         if CHANGED_AFTER not in row.metrics:  # else the free run charged it already, and said so
             row.verdict, row.note = "fail", f"{why} (lifted replay)"
 
@@ -368,7 +371,8 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
     """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
 
     - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
-    - a free-run origin whose own error the replay confirms stands;
+    - a free-run origin whose own error the replay confirms stands, and so does one whose value the candidate changes
+      after it (the pair check's charge) when the replay's culprit encloses it;
     - else a module before it (not enclosing it) whose own error the replay finds, and whose free-run output
       diverges too, is where divergence starts: the free-run origin's input only looked as if it agreed;
     - else the replay's earliest own error inside the free-run origin is more precise, and in low
@@ -399,6 +403,11 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
         and row.index not in ancestors(first, by_index)
     ]
     chosen: Row | None = None
+    charged = (
+        first is not None and CHANGED_AFTER in first.metrics
+    )  # the free run's pair check: a value changed after it
+    if charged and first is not None and replayed[0].index in ancestors(first, by_index):
+        return  # the replay's culprit encloses the module whose value the candidate changes after it: more precise
     if earlier and first is not None:  # the free run took a later module for the start: its input only seemed to agree
         chosen = earlier[0]
         reason = f"its own error (isolated replay) diverges before the free-run origin {first.path or '<root>'}"

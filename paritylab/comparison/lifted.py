@@ -48,7 +48,7 @@ from paritylab.comparison.twins import (
     twins,
     unwrap,
 )
-from paritylab.comparison.verify import CHANGED_AFTER, charge_hand_ons
+from paritylab.comparison.verify import CHANGED_AFTER, HANDED_ON_CHANGE, charge_hand_ons
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
@@ -82,6 +82,9 @@ class LiftedReplay:
     """Candidate call keys that returned their input bit for bit in the candidate's own run (hook points): one that
     changes it in the lifted replay is code the candidate's precision rounded away
     (:func:`~paritylab.comparison.verify.charge_hand_ons`)."""
+    made_with: Twins | None = None
+    """What the two lifted copies were made with (:func:`~paritylab.comparison.twins.twins`): a drill-down into a
+    lifted origin makes its copies the same way."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 
@@ -102,7 +105,7 @@ class LiftedReplay:
             for row in report.rows
             if row.reference.key in self.eligible
             or (row.observed and row.reference.key in self.observers)
-            or CHANGED_AFTER in row.metrics  # code with no counterpart changed its value (no weights involved)
+            or HANDED_ON_CHANGE in row.metrics  # a hook point changed its value (no weights involved)
         }
         for row in rows.values():
             if row.input_diverged and not self._floating_input(row):
@@ -110,13 +113,13 @@ class LiftedReplay:
         return rows
 
     def changed_after(self, row: Row | None) -> str | None:
-        """Why the candidate changes ``row``'s value after it in float32 (:mod:`paritylab.comparison.verify`: a
-        hook point or a wrapper that hands values on returned another one, by more than float32's rounding), or
+        """Why the candidate changes ``row``'s value after it in float32 (a hook point returned another value than
+        it was handed, by more than float32's rounding: :func:`~paritylab.comparison.verify.charge_hand_ons`), or
         ``None``. No weight takes part in such a change, and an identity's float32 copy returns its input bit for
-        bit: the change is code, although the candidate's own precision rounded it away."""
-        margin = DIVERGENCE_MARGIN * Tolerances().resolve(row.path if row else "", "float32").rtol
-        if row is None or row.metrics.get(CHANGED_AFTER, 0.0) <= margin:
-            return None  # none, or float32's rounding: a replay hands modules values made elsewhere
+        bit: the change is code, although the candidate's own precision rounded it away. (A charge the lifted
+        comparison's own pair checks make is no evidence: a replay hands modules values made elsewhere.)"""
+        if row is None or HANDED_ON_CHANGE not in row.metrics:
+            return None
         return f"{row.note}, with the same {self.dtype} weights computed in float32"
 
     def own_error(self, row: Row | None) -> str | None:

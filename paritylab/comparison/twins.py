@@ -33,7 +33,8 @@ class Twins:
     """id of a reference parameter -> the value the lifted reference holds instead of its rounded one: its exact
     value where the candidate keeps it wider, or the candidate's ``g`` plus one where the candidate stores a norm's
     scale as ``g = w - 1`` (x-transformers' and Gemma's norms multiply by ``1 + g``, and ``g`` rounds finer than
-    ``w``): both lifted sides then compute with the very same scale."""
+    ``w``): both lifted sides then compute with the very same scale. Also id of a reference buffer holding a table
+    the candidate holds rounded -> its rounded values (:func:`rounded_tables`)."""
     shifted: frozenset[int] = frozenset()
     """ids of the reference parameters the candidate stores minus one: fingerprinted as :attr:`ParamPrint.shifted`
     when the two sides' weights are compared."""
@@ -126,36 +127,46 @@ def rounded_tables(
     ]
     if not tables:
         return set(), {}, {}
-    sources = _table_sources(unwrap(reference), reference_trace)
+    rows = max(t.reshape(-1, t.shape[-1]).shape[0] for t in tables)
+    width = TABLE_WIDTH * max(t.shape[-1] for t in tables)
+    sources = _table_sources(unwrap(reference), reference_trace, rows, width)
     proven: set[int] = set()
     rounded: dict[int, torch.Tensor] = {}
     outputs: dict[str, set[str]] = {}
     columns: dict[tuple[int, int], set[bytes]] = {}  # (source, rows) -> its rounded columns
-    found: dict[tuple[object, ...], int | None] = {}  # a table's values -> the source it rounds from
+    found: dict[tuple[object, ...], list[int]] = {}  # a table's values -> the sources it is the rounding of
     for table in tables:
         key = values_key(table)
         if key not in found:  # one table per layer, the same values: examined once
-            found[key] = next(
-                (n for n, (*_, value) in enumerate(sources) if _rounds_to(value, table, dtype, columns, n)), None
-            )
-        source = found[key]
-        if source is None:
-            continue
-        where, held, value = sources[source]
-        proven.add(id(table))
-        if where == "buffer":
-            rounded[int(held)] = value.to(dtype)
-        else:
-            outputs.setdefault(where, set()).add(str(held))
+            found[key] = [n for n, (*_, value) in enumerate(sources) if _rounds_to(value, table, dtype, columns, n)]
+        if found[key]:
+            proven.add(id(table))
+        for source in found[key]:  # every one the reference holds (a rotary module per layer, or one per model)
+            where, held, value = sources[source]
+            if where == "buffer":
+                rounded[int(held)] = value.to(dtype)
+            else:
+                outputs.setdefault(where, set()).add(str(held))
     return proven, rounded, {path: frozenset(slots) for path, slots in outputs.items()}
 
 
-def _table_sources(reference: nn.Module, trace: Trace | None) -> list[tuple[str, str | int, torch.Tensor]]:
+TABLE_WIDTH = 4
+"""A table is looked for among reference values at most this many times as wide as the widest candidate table (a
+rotary table's columns repeated, or sin and cos side by side): activations and attention weights are not read."""
+
+
+def _table_sources(
+    reference: nn.Module, trace: Trace | None, rows: int, width: int
+) -> list[tuple[str, str | int, torch.Tensor]]:
     """What a table may be the rounding of: ``("buffer", id, value)`` for the reference's buffers, ``(path, slot,
     value)`` for the outputs of its parameterless modules (a table is made from positions, with no weight), in
-    the order they ran; the first row of a batch (at most :data:`TABLE_SOURCES`)."""
+    the order they ran; at most ``width`` columns wide, their first ``rows`` rows (of a batch's first item) kept:
+    a copy only of what a table is compared with, not of every output (at most :data:`TABLE_SOURCES`). A
+    buffer's value is the buffer itself (the lifted reference's rounded copy is made from it)."""
     sources: list[tuple[str, str | int, torch.Tensor]] = [
-        ("buffer", id(b), b.detach()) for b in reference.buffers() if b.is_floating_point() and b.dim() >= 2
+        ("buffer", id(b), b.detach())
+        for b in reference.buffers()
+        if b.is_floating_point() and b.dim() >= 2 and b.shape[-1] <= width
     ]
     if trace is None:
         return sources
@@ -167,10 +178,12 @@ def _table_sources(reference: nn.Module, trace: Trace | None) -> list[tuple[str,
         if next(module.parameters(), None) is not None:
             continue
         for slot, node in iter_tensors(call.outputs, "outputs"):
-            if len(node.get("shape", ())) >= 2 and str(node.get("dtype", "")).startswith("float"):
-                value = trace.tensor(node)
-                if value is not None:
-                    sources.append((call.path, slot, value.reshape(-1, *value.shape[-2:])[0]))
+            shape = node.get("shape") or []
+            if len(shape) < 2 or shape[-1] > width or not str(node.get("dtype", "")).startswith("float"):
+                continue
+            value = trace.tensor(node)
+            if value is not None:
+                sources.append((call.path, slot, value.reshape(-1, *value.shape[-2:])[0, :rows].cpu().clone()))
         if len(sources) > TABLE_SOURCES:
             break
     return sources
@@ -185,9 +198,9 @@ def _rounds_to(
     if rows < 2 or value.dtype == dtype:
         return False
     if (index, rows) not in columns:
-        wide = value.reshape(-1, value.shape[-1])[:rows].to(dtype).T.contiguous()
+        wide = value.reshape(-1, value.shape[-1])[:rows].to(device="cpu", dtype=dtype).T.contiguous()
         columns[index, rows] = {column.numpy().tobytes() for column in wide.view(torch.int16)}
-    held = table.detach().reshape(-1, table.shape[-1])[:rows].T.contiguous()
+    held = table.detach().reshape(-1, table.shape[-1])[:rows].cpu().T.contiguous()
     return all(column.numpy().tobytes() in columns[index, rows] for column in held.view(torch.int16))
 
 

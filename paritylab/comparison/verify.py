@@ -36,6 +36,8 @@ from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
 CHANGED_AFTER = "changed_after_rel_l2"
 """The metric a row charged with a change made after it carries: how much the candidate changed its value."""
+HANDED_ON_CHANGE = "handed_on_change_rel_l2"
+"""... when the change was made by a call that hands values on (:func:`charge_hand_ons`)."""
 O1_ERROR = 0.25
 """A pair whose outputs differ by this much relative L2 or more differs by O(1): far beyond any rounding, so it
 is checked for being a wrong pairing before it is believed to be a bug."""
@@ -123,13 +125,14 @@ def charge_hand_ons(
     rows: list[Row], reference: Trace, candidate: Trace, alignment: Alignment, handed_on: frozenset[str], margin: float
 ) -> dict[int, str]:
     """Candidate calls left unpaired that handed their input on unchanged in the candidate's own run
-    (``handed_on``: their keys; hook points) but change it in this one (a float32 replay), while every other call
-    of their class returns its input bit for bit: the change is code, which the candidate's precision rounded
-    away (a hook scaling by 1.001 in bfloat16). Each is charged, as :func:`verify_pairs` charges a
-    near-identity, to the reference module that made the value it was handed: its producer's counterpart, else
-    the reference call inside the counterpart of its nearest paired ancestor whose output that value is (within
-    ``margin``; a replay hands a module its counterpart's value, whose producer it does not record). Returns the
-    rows charged (reference call index -> why)."""
+    (``handed_on``: their keys; hook points) but change it in this one (a float32 replay) by more than ``margin``,
+    while every other call of their class returns its input bit for bit: the change is code, which the
+    candidate's precision rounded away (a hook scaling by 1.001 in bfloat16). Each is charged, as
+    :func:`verify_pairs` charges a near-identity, to the reference module that made the value it was handed
+    (:data:`HANDED_ON_CHANGE`): its producer's counterpart, else the reference call inside the counterpart of its
+    nearest paired ancestor whose output that value is (within ``margin``; a replay hands a module its
+    counterpart's value, whose producer it does not record). Returns the rows charged (reference call index ->
+    why)."""
     paired = {candidate.call(pair.candidate).index: pair for pair in alignment.pairs}
     by_class: dict[str, list[tuple[CallRecord, float]]] = {}
     for call in candidate.calls:
@@ -146,9 +149,10 @@ def charge_hand_ons(
             continue  # not a class that hands values on, or a call that changed them in the candidate's own run
         for call, change in changed:
             source = _handed_source(call, reference, candidate, paired, by_index, margin)
-            if source is not None:
-                why = "code with no counterpart, such as a hook point"
-                _charge(source, call.path, change, why, charged)
+            if source is not None and change > margin and source.index not in charged:
+                _charge(source, call.path, change, "code with no counterpart, such as a hook point", charged)
+                if source.index in charged:
+                    source.metrics[HANDED_ON_CHANGE] = change
     return charged
 
 
@@ -198,14 +202,16 @@ def _handed_source(
     scope = reference.call(paired[ancestor].reference).index
     handed = _value(candidate, node)
     assert handed is not None  # a call whose input has no value is never charged
-    found = None
+    found = []
     for row in by_index.values():  # a replay hands on its counterpart's value, made by a paired module
         if row.status not in ("compared", "unmatched") or not _within(reference, reference.calls[row.index], scope):
             continue
         made = _value(reference, _first(reference.calls[row.index], "outputs"))
         if made is not None and _fits(handed, made) and _relative(in_layout(handed, made.shape), made) <= margin:
-            found = row if found is None or row.index > found.index else found  # the innermost that made it
-    return found
+            found.append(row)
+    # the maker: a call holding no other that returns the value (its parent hands it on), the first that does
+    inner = [r for r in found if not any(_within(reference, reference.calls[o.index], r.index) for o in found)]
+    return min(inner, key=lambda r: r.index) if inner else None
 
 
 def _fed_in_its_place(reference: Trace, candidate: Trace, alignment: Alignment, made: int, wrapper: int) -> bool:

@@ -104,6 +104,8 @@ def _verdict_line(report: Report) -> str:
         error = f"changed after it by rel_l2 {fmt(first.metrics['changed_after_rel_l2'])}"
     if first is not None and first.local.get("lifted_diverged"):  # found where the precision's rounding is gone
         error = f"own error {fmt(first.local.get('lifted_rel_l2'))} in float32"
+        if first.local.get("changed_after_rel_l2"):  # by a hook point, in the float32 replay only
+            error = f"changed after it by rel_l2 {fmt(first.local['changed_after_rel_l2'])} in float32"
     failed_output = next((check for check in (first.outputs if first else []) if check.verdict == "fail"), None)
     if failed_output is not None and first is not None and first.metrics and within(first.metrics):
         error = failed_output.describe()  # its compared output agrees: say which output does not

@@ -102,7 +102,7 @@ def lift(
     sources = exact_sources(candidate, found.proven, dtype)
     lifted = LiftedReplay(
         str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources,
-        handing_on(candidate_trace),
+        handing_on(candidate_trace), found,
     )  # fmt: skip
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())

@@ -583,8 +583,8 @@ class _Session:
         if lifted is not None and first.local.get("lifted_diverged"):
             low = getattr(torch, lifted.dtype)
             reference, candidate = (
-                lifted_reference(reference, low, candidate),
-                lifted_candidate(candidate, low, reference),
+                lifted_reference(reference, low, candidate, lifted.made_with),
+                lifted_candidate(candidate, low, reference, lifted.made_with),
             )
             ref_run, cand_run, forced_on = widened(ref_run, low), widened(cand_run, low), lifted.reference
             dtype, own = "float32", first.local.get("lifted_rel_l2", own)

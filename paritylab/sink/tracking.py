@@ -256,17 +256,30 @@ class MlflowTracker(Tracker):
         from mlflow.entities import ViewType
 
         experiment_id = self.ensure_experiment()
-        found = self._call(
-            "list the newest runs", self.client.search_runs, [experiment_id], "attributes.status != 'RUNNING'",
-            ViewType.ACTIVE_ONLY, 4 * limit, ["attributes.start_time DESC"],
-        )  # fmt: skip
-        runs = [{**run.data.tags, "status": run.info.status} for run in found]
-        return [tags for tags in runs if "mlflow.parentRunId" not in tags][:limit]
+        runs: list[dict[str, str]] = []
+        token = None
+        for _ in range(NEWEST_PAGES):  # a large sweep's jobs started after its parent: read past them
+            page = self._call(
+                "list the newest runs", self.client.search_runs, [experiment_id], "attributes.status != 'RUNNING'",
+                ViewType.ACTIVE_ONLY, 200, ["attributes.start_time DESC"], token,
+            )  # fmt: skip
+            runs += [{**r.data.tags, "status": r.info.status} for r in page if "mlflow.parentRunId" not in r.data.tags]
+            token = page.token
+            if len(runs) >= limit or not token:
+                break
+        return runs[:limit]
 
     def describe_experiment(self, summary: str) -> None:
         experiment_id = self.ensure_experiment()
-        description = f"{summary}\n\n{experiment_description(experiment_id)}"
-        self._call("describe the experiment", self.client.set_experiment_tag, experiment_id, NOTE, description)
+        tags = self._call("read the experiment", self.client.get_experiment, experiment_id).tags
+        note = tags.get(NOTE, "")
+        if not _ours(tags):
+            return  # an experiment paritylab did not make keeps its description
+        previous = tags.get(SUMMARY, "")
+        rest = note[len(previous) :].lstrip("\n") if previous and note.startswith(previous) else note
+        description = f"{summary}\n\n{rest or experiment_description(experiment_id)}"
+        for key, value in ((NOTE, description), (SUMMARY, summary)):
+            self._call("describe the experiment", self.client.set_experiment_tag, experiment_id, key, value)
 
     def link(self) -> str:
         if self.run_id is None:
@@ -319,9 +332,15 @@ MODEL_TRAINING = "custom_model_development"
 """The experiment's kind (``genai_development``, ``custom_model_development``, ...): MLflow 3 UIs that read it open
 a ``custom_model_development`` experiment on its runs list, not on the GenAI overview. MLflow 3.17's UI takes the
 kind from its sidebar switch (GenAI / Model training, kept by the browser) instead, or from ``?workflowType=``
-in the address: the description's first line links to the runs list with ``workflowType=machine_learning``."""
+in the address: the description links to the runs list with ``workflowType=machine_learning``, under its first
+line (the newest run and the verdicts of the newest runs: :func:`paritylab.sink.publish.summarise_experiment`)."""
 NOTE = "mlflow.note.content"
 """The tag MLflow shows as an experiment's (or a run's) description."""
+SUMMARY = "paritylab.summary"
+"""The experiment's tag holding the line paritylab last put first in its description (the newest run and the
+verdicts of the newest runs): the next run replaces that line, and keeps what a person wrote below or instead."""
+NEWEST_PAGES = 10
+"""Pages of 200 runs read for an experiment's newest runs (a sweep's jobs, newer than its parent, are skipped)."""
 RUNS_VIEW = "paritylab"
 """The experiment's saved view of its runs list (the experiment tag ``mlflow.sharedViewState.paritylab``, MLflow's
 "Views" menu): the verdict, first divergence and regression columns, wide enough to read a module's name. The
@@ -392,8 +411,7 @@ def _experiment_id(client: Any, name: str) -> str:
     view = f"mlflow.sharedViewState.{RUNS_VIEW}"
     found = client.get_experiment_by_name(name)
     if found is not None:
-        note = found.tags.get(NOTE, "")
-        ours = view in found.tags or note.startswith("**paritylab") or f"viewStateShareKey={RUNS_VIEW}" in note
+        ours = _ours(found.tags)
         missing = {
             EXPERIMENT_KIND: MODEL_TRAINING,
             view: runs_view(),
@@ -413,6 +431,12 @@ def _experiment_id(client: Any, name: str) -> str:
         return found.experiment_id
     client.set_experiment_tag(experiment_id, NOTE, experiment_description(experiment_id))
     return str(experiment_id)
+
+
+def _ours(tags: Mapping[str, str]) -> bool:
+    """The experiment is one paritylab made: it holds paritylab's runs view, or the description paritylab writes."""
+    note = tags.get(NOTE, "")
+    return f"mlflow.sharedViewState.{RUNS_VIEW}" in tags or note.startswith("**paritylab") or SUMMARY in tags
 
 
 def _cut(text: str, limit: int) -> str:
