@@ -207,3 +207,18 @@ def test_a_hook_point_bug_that_bf16_rounds_away_is_named_by_the_lifted_replay(tm
     assert result.verdict == "fail" and result.report.first_divergence.path == expected
     note = result.report.first_divergence.note
     assert said in note and "computed in float32" in note
+
+
+def test_a_wrapper_change_that_bf16_rounds_away_is_named_by_the_lifted_replay(tmp_path):
+    """×1.001 at the wrapper only the candidate has (a Sequential around the MLP), in bf16, changes no value the
+    candidate computes; in the float32 replay the wrapper returns another value than its last child made, while
+    its other call returns it exactly: named at the reference's ``fc_out`` (before: the enclosing block)."""
+    reference, candidate = _wrapped(torch.bfloat16)
+    call = {"reference_call": lambda m: m(X), "candidate_call": lambda m: m(X.to(torch.bfloat16))}
+    with torch.no_grad():
+        before = candidate(X.to(torch.bfloat16))
+        candidate.blocks[1].mlp.register_forward_hook(lambda _m, _a, out: out * 1.001)
+        assert torch.equal(candidate(X.to(torch.bfloat16)), before)  # no value of the candidate's run changed
+    result = paritylab.check(reference, candidate, tmp_path, **call)
+    assert result.verdict == "fail" and result.report.first_divergence.path == "blocks.1.fc_out"
+    assert "blocks.1.mlp returns it with relative error 0.001" in result.report.first_divergence.note

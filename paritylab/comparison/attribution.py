@@ -17,7 +17,7 @@ from paritylab.comparison.alignment import (
     Part,
     in_layout,
 )
-from paritylab.comparison.lifted import LiftedReplay
+from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
 from paritylab.comparison.metrics import Tolerances, systematic_z
 from paritylab.comparison.report import (
     Report,
@@ -32,7 +32,7 @@ from paritylab.comparison.report import (
     unmatched_feeding,
     unmatched_maker,
 )
-from paritylab.comparison.verify import CHANGED_AFTER, HANDED_ON_CHANGE
+from paritylab.comparison.verify import CHANGED_AFTER
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
 
@@ -163,7 +163,7 @@ def _changed_after_lifted(rows: list[Row], lifted: LiftedReplay, lifted_rows: Ma
         if why is None or row.local.get("local_diverged") or row.status not in ("compared", "unmatched"):
             continue
         assert lifted_row is not None  # a row with a change has a lifted row
-        change = lifted_row.metrics[HANDED_ON_CHANGE]
+        change = lifted_row.metrics[LIFTED_CHANGE]
         row.local.update({"local_diverged": 1.0, "lifted_diverged": 1.0, CHANGED_AFTER: change})
         if CHANGED_AFTER not in row.metrics:  # else the free run charged it already, and said so
             row.verdict, row.note = "fail", f"{why} (lifted replay)"

@@ -48,10 +48,14 @@ from paritylab.comparison.twins import (
     twins,
     unwrap,
 )
-from paritylab.comparison.verify import CHANGED_AFTER, HANDED_ON_CHANGE, charge_hand_ons
+from paritylab.comparison.verify import CHANGED_AFTER, charge_hand_ons
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
+
+LIFTED_CHANGE = "lifted_changed_after_rel_l2"
+"""A lifted row's metric: how much the candidate changes its value after it in float32, beyond float32's rounding
+(judged against the row's float32 tolerance): see :meth:`LiftedReplay.changed_after`."""
 
 
 @dataclass(frozen=True)
@@ -100,12 +104,16 @@ class LiftedReplay:
         report = compare_traces(self.reference, self.candidate, alignment=self.alignment, tolerances=tolerances)
         margin = DIVERGENCE_MARGIN * max(tolerances.resolve("", "float32").rtol, 1e-12)
         charge_hand_ons(report.rows, self.reference, self.candidate, self.alignment, self.handed_on, margin)
+        for row in report.rows:  # a change beyond float32's rounding (a replay's own values differ by rounding)
+            change = row.metrics.get(CHANGED_AFTER)
+            if change is not None and change > DIVERGENCE_MARGIN * tolerances.resolve(row.path, "float32").rtol:
+                row.metrics[LIFTED_CHANGE] = change
         rows = {
             row.reference.key: row
             for row in report.rows
             if row.reference.key in self.eligible
             or (row.observed and row.reference.key in self.observers)
-            or HANDED_ON_CHANGE in row.metrics  # a hook point changed its value (no weights involved)
+            or LIFTED_CHANGE in row.metrics  # code that hands values on changed its value (no weights involved)
         }
         for row in rows.values():
             if row.input_diverged and not self._floating_input(row):
@@ -113,12 +121,13 @@ class LiftedReplay:
         return rows
 
     def changed_after(self, row: Row | None) -> str | None:
-        """Why the candidate changes ``row``'s value after it in float32 (a hook point returned another value than
-        it was handed, by more than float32's rounding: :func:`~paritylab.comparison.verify.charge_hand_ons`), or
-        ``None``. No weight takes part in such a change, and an identity's float32 copy returns its input bit for
-        bit: the change is code, although the candidate's own precision rounded it away. (A charge the lifted
-        comparison's own pair checks make is no evidence: a replay hands modules values made elsewhere.)"""
-        if row is None or HANDED_ON_CHANGE not in row.metrics:
+        """Why the candidate changes ``row``'s value after it in float32, by more than float32's rounding
+        (:data:`LIFTED_CHANGE`: a hook point returned another value than it was handed,
+        :func:`~paritylab.comparison.verify.charge_hand_ons`, or a wrapper another than its child's, the pair checks
+        of :func:`~paritylab.comparison.verify.verify_pairs`), or ``None``. No weight takes part in such a change,
+        and an identity's float32 copy returns its input bit for bit: the change is code, although the candidate's
+        own precision rounded it away."""
+        if row is None or LIFTED_CHANGE not in row.metrics:
             return None
         return f"{row.note}, with the same {self.dtype} weights computed in float32"
 

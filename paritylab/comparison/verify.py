@@ -36,8 +36,6 @@ from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
 CHANGED_AFTER = "changed_after_rel_l2"
 """The metric a row charged with a change made after it carries: how much the candidate changed its value."""
-HANDED_ON_CHANGE = "handed_on_change_rel_l2"
-"""... when the change was made by a call that hands values on (:func:`charge_hand_ons`)."""
 O1_ERROR = 0.25
 """A pair whose outputs differ by this much relative L2 or more differs by O(1): far beyond any rounding, so it
 is checked for being a wrong pairing before it is believed to be a bug."""
@@ -128,8 +126,8 @@ def charge_hand_ons(
     (``handed_on``: their keys; hook points) but change it in this one (a float32 replay) by more than ``margin``,
     while every other call of their class returns its input bit for bit: the change is code, which the
     candidate's precision rounded away (a hook scaling by 1.001 in bfloat16). Each is charged, as
-    :func:`verify_pairs` charges a near-identity, to the reference module that made the value it was handed
-    (:data:`HANDED_ON_CHANGE`): its producer's counterpart, else the reference call inside the counterpart of its
+    :func:`verify_pairs` charges a near-identity, to the reference module that made the value it was handed: its
+    producer's counterpart, else the reference call inside the counterpart of its
     nearest paired ancestor whose output that value is (within ``margin``; a replay hands a module its
     counterpart's value, whose producer it does not record). Returns the rows charged (reference call index ->
     why)."""
@@ -151,8 +149,6 @@ def charge_hand_ons(
             source = _handed_source(call, reference, candidate, paired, by_index, margin)
             if source is not None and change > margin and source.index not in charged:
                 _charge(source, call.path, change, "code with no counterpart, such as a hook point", charged)
-                if source.index in charged:
-                    source.metrics[HANDED_ON_CHANGE] = change
     return charged
 
 
