@@ -403,17 +403,15 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
         and row.index not in ancestors(first, by_index)
     ]
     chosen: Row | None = None
-    charged = (
-        first is not None and CHANGED_AFTER in first.metrics
-    )  # the free run's pair check: a value changed after it
-    if charged and first is not None and replayed[0].index in ancestors(first, by_index):
-        return  # the replay's culprit encloses the module whose value the candidate changes after it: more precise
+    charged = first is not None and CHANGED_AFTER in first.metrics  # the free run's pair check changed it after it
     if earlier and first is not None:  # the free run took a later module for the start: its input only seemed to agree
         chosen = earlier[0]
         reason = f"its own error (isolated replay) diverges before the free-run origin {first.path or '<root>'}"
         reason += ", whose own error does not" if first is not None and not first.local.get("local_diverged") else ""
     elif inside:
         chosen, reason = inside[0], "its own error (isolated replay) diverges inside the free-run origin"
+    elif charged and first is not None and replayed[0].index in ancestors(first, by_index):
+        return  # the replay's culprit encloses the module whose value the candidate changes after it: more precise
     elif low_precision or first is None:
         if first is None and report.passed:
             return
