@@ -338,7 +338,7 @@ if {both!r}:
 
 
 def floor_code(overrides: list[str], both: bool = True) -> str:
-    bf16 = "candidate=bf16" in overrides
+    bf16 = "candidate=bf16" in overrides or "candidate.dtype=bfloat16" in overrides
     return FLOOR.format(repository=str(REPOSITORY), overrides=overrides, both=both, bf16=bf16)
 
 

@@ -2,6 +2,7 @@
 with peak memory, at TinyLlama's shape (1.10 B parameters) or a smaller one.
 
     python benchmarks/large.py [--shape 1b|300m|quick] [--rounds 1] [--candidate bf16]
+    python benchmarks/large.py --candidate "sdpa candidate.dtype=bfloat16"   # a bf16 port: the lifted replay runs
 
 Each round runs, in fresh processes: ``floor`` (build the reference and the candidate, one forward each, in
 ``torch.no_grad()``) and ``paritylab`` (the whole run, MLflow off: its child process is not the run's memory),
@@ -38,7 +39,8 @@ TOKENS = 128
 
 def overrides(shape: str, candidate: str) -> list[str]:
     build = [f"++model.build.{key}={value}" for key, value in SHAPES[shape].items()]  # some are not in the yaml
-    return ["model=llama", *build, f"candidate={candidate}", f"inputs.prompt_length={TOKENS}", "tracking=off"]
+    name, *more = candidate.split()  # "sdpa candidate.dtype=bfloat16": a candidate and overrides of it
+    return ["model=llama", *build, f"candidate={name}", *more, f"inputs.prompt_length={TOKENS}", "tracking=off"]
 
 
 def _measured(command: list[str], cwd: Path) -> tuple[float, float]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paritylab.run.parity import check, estimate_float32_floors, trace_model
+from paritylab.run.resident import converted_copy
 from paritylab.run.widening import widened_in_place
 from tests.tiny import tiny_llama, token_ids
 
@@ -152,7 +153,7 @@ class ReadsGrandchild(nn.Module):
 
 class CastsToGrandchild(nn.Module):
     """Casts its input to a grandchild's dtype before calling it (``ViTModel`` reads its patch projection's
-    dtype this way): widening module by module cannot run it, a float64 copy can."""
+    dtype this way): widening module by module cannot run it unless that weight's stand-in says float64."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,17 +163,31 @@ class CastsToGrandchild(nn.Module):
         return self.block(x.to(self.block[0].weight.dtype))
 
 
-def test_a_forward_that_cannot_be_widened_in_place_is_measured_on_a_float64_copy(tmp_path):
+class ReadsACalledGrandchild(ReadsGrandchild):
+    """Calls its grandchild, and reads its weight from outside that call too (a tied head)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.inner(x), self.inner[0].weight)
+
+
+def test_a_forward_that_cannot_be_widened_in_place_is_measured_on_a_float64_copy(tmp_path, monkeypatch):
+    """A grandchild's dtype read from outside its call reads its stand-in's (float64): widened in place. A
+    grandchild's weight read there raises on its stand-in (never met in float32): measured on a float64 copy."""
+    import paritylab.run.parity as parity
+
     torch.manual_seed(0)
-    model = CastsToGrandchild().eval()
-    x = torch.randn(3, 16)
-    trace = trace_model(model, lambda m: m(x), tmp_path / "reference")
-    with pytest.raises(RuntimeError), widened_in_place(model, torch.float64):
-        model(x.double())
-    floors = estimate_float32_floors(model, lambda m: m(x), trace, tmp_path)
-    assert floors.loosens_only and set(floors.local_metrics) == {c.key for c in trace.calls}
-    assert 0 < floors.local_metrics["block.1#0"]["rel_l2"] < 1e-6
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    made = []
+    monkeypatch.setattr(parity, "converted_copy", lambda *a, **k: made.append(converted_copy(*a, **k)) or made[-1])
+    for model, copies in ((CastsToGrandchild().eval(), 0), (ReadsACalledGrandchild().eval(), 1)):
+        x = torch.randn(3, 16)
+        trace = trace_model(model, lambda m, x=x: m(x), tmp_path / f"reference{copies}")
+        with pytest.raises(RuntimeError), widened_in_place(model, torch.float64):
+            model(x.double())  # without stand-ins: the weight met in float32, the mixed product refused
+        floors = estimate_float32_floors(model, lambda m, x=x: m(x), trace, tmp_path / f"floors{copies}")
+        assert len(made) == copies and floors.loosens_only
+        assert set(floors.local_metrics) == {c.key for c in trace.calls}
+        assert 0 < max(metrics["rel_l2"] for metrics in floors.local_metrics.values()) < 1e-6
+        assert all(p.dtype == torch.float32 and type(p) is nn.Parameter for p in model.parameters())
 
 
 def _float64_copy(model: nn.Module) -> nn.Module:

@@ -40,3 +40,65 @@ def test_a_reference_traced_without_values_is_run_once_more_as_it_is(tmp_path):
     floors = estimate_floors(reference, call, stats_only, torch.bfloat16, tmp_path)
     assert (tmp_path / "noise-exact").is_dir() and len(floors.free_run) > 5
     assert all(1e-5 < value < 0.1 for value in floors.free_run.values())
+
+
+def test_the_low_precision_side_runs_in_place_as_its_copy_does(tmp_path, monkeypatch):
+    """No bf16 copy of the reference is made: each module's weights are cast while it runs, and the floors are
+    bit for bit those of the copy; the reference is unchanged afterwards (weights and plain attributes)."""
+    import paritylab.run.parity as parity
+
+    reference, ids = tiny_llama(num_hidden_layers=2), token_ids(length=12)
+    call = lambda model: model(ids)  # noqa: E731
+    reference_trace = trace_model(reference, call, tmp_path / "reference", capture=None)
+    weights = {name: (t, t.clone()) for name, t in reference.state_dict(keep_vars=True).items()}
+    attributes = {path: dict(vars(module)) for path, module in reference.named_modules()}
+
+    def copied(*_: object, **__: object) -> None:
+        raise AssertionError("a copy was made")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parity, "converted_copy", copied)
+        in_place = estimate_floors(reference, call, reference_trace, torch.bfloat16, tmp_path / "in-place")
+    for name, tensor in reference.state_dict(keep_vars=True).items():
+        assert tensor is weights[name][0] and torch.equal(tensor, weights[name][1]), name
+    assert {path: dict(vars(module)) for path, module in reference.named_modules()} == attributes
+    monkeypatch.setattr(parity, "cast_in_place", _cannot_run_in_place)
+    on_copy = estimate_floors(reference, call, reference_trace, torch.bfloat16, tmp_path / "copy")
+    assert in_place.free_run == on_copy.free_run and len(in_place.free_run) > 20
+    assert in_place.local_metrics == on_copy.local_metrics and len(in_place.local_metrics) > 20
+
+
+def _cannot_run_in_place(call, dtype, uncalled=()):
+    def run(model):
+        raise RuntimeError("as if a module read a weight it does not hold")
+
+    return run
+
+
+class ReadsAGrandchild(torch.nn.Module):
+    """Reads a weight of a module that is not running (a tied head computed as a product with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ self.inner[0].weight.T
+
+
+def test_a_weight_read_from_outside_its_module_sends_the_low_precision_side_to_a_copy(tmp_path, monkeypatch):
+    """In place, the head would read the float32 weight while the bf16 copy reads bf16: it is stood in for, the
+    read raises, and the low-precision side runs on a copy (one made, the floors those of that copy)."""
+    import paritylab.run.parity as parity
+
+    torch.manual_seed(0)
+    model, x = ReadsAGrandchild().eval(), torch.randn(3, 8)
+    call = lambda m: m(x)  # noqa: E731
+    reference_trace = trace_model(model, call, tmp_path / "reference", capture=None)
+    made = []
+    monkeypatch.setattr(parity, "converted_copy", lambda *a, **k: made.append(converted_copy(*a, **k)) or made[-1])
+    floors = estimate_floors(model, call, reference_trace, torch.bfloat16, tmp_path / "floors")
+    assert len(made) == 1 and made[0].inner[0].weight.dtype == torch.bfloat16
+    low = trace_model(converted_copy(model, torch.bfloat16), cast_call(call, torch.bfloat16), tmp_path / "low")
+    assert floors.free_run == noise_floor(reference_trace, low) and floors.free_run["#0"] > 1e-4
+    assert all(p.dtype == torch.float32 and type(p) is torch.nn.Parameter for p in model.parameters())

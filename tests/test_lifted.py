@@ -386,16 +386,83 @@ def test_a_precision_the_copy_cannot_lift_is_not_taken_for_bugs(tmp_path):
     assert lifted is None and len(notes) == 1 and "lifted replay not used" in notes[0]
 
 
-def test_a_float32_copy_that_does_not_fit_is_not_made(tmp_path, monkeypatch):
-    """A large bf16 model's float32 copy is twice its size: when it would not fit, the lifted replay is skipped
-    with a note (the run goes on with the low-precision judgement) instead of being killed for memory."""
+def test_the_lifted_replay_runs_in_place_as_its_float32_copies_do(tmp_path, monkeypatch):
+    """No float32 copy of either model is made: each module's tensors are converted while it runs (the reference's
+    parameters rounded, the candidate widened, its cached angles made afresh, its rounded ``inv_freq`` restored),
+    with the very values the copies compute, and both models are as they were afterwards, caches included."""
     import paritylab.run.lifting as lifting
 
-    reference, candidate, x = _pair()
+    torch.manual_seed(0)
+    reference = RotaryTower().eval()
+    candidate = RotaryTower(angles=True).eval()
+    candidate.rotary = CachedAngles(16)
+    candidate.load_state_dict(reference.state_dict())
+    candidate = candidate.to(torch.bfloat16)
+    x = torch.randn(1, 12, 16)
+    reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
+    candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
+    alignment = compare_traces(reference_trace, candidate_trace).alignment
+    cache = candidate.rotary._cached
+    weights = {(id(m), name): (t, t.clone()) for m in (reference, candidate) for name, t in m.state_dict(keep_vars=True).items()}
+    args = (reference, lambda m: m(x), candidate, lambda m: m(x.bfloat16()), reference_trace, candidate_trace)
+
+    def copied(*_: object, **__: object) -> None:
+        raise AssertionError("a float32 copy was made")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lifting, "converted_copy", copied)
+        in_place = lift(*args, alignment, tmp_path / "in-place")
+    assert in_place is not None and not in_place.copies
+    assert candidate.rotary._cached is cache and cache.dtype == torch.bfloat16  # the bf16 run's cache, kept
+    for model in (reference, candidate):
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            kept, values = weights[id(model), name]
+            assert tensor is kept and torch.equal(tensor, values), name
+    monkeypatch.setattr(lifting, "_narrowed", lambda traces, dtype: True)  # as if in place could not run
+    copied_replay = lift(*args, alignment, tmp_path / "copies")
+    assert copied_replay is not None and copied_replay.copies
+    for made, expected in (
+        (in_place.reference, copied_replay.reference),
+        (in_place.candidate, copied_replay.candidate),
+    ):
+        assert [c.key for c in made.calls] == [c.key for c in expected.calls]
+        for call, twin in zip(made.calls, expected.calls, strict=True):
+            for (slot, node), (_, other) in zip(call.tensors(), twin.tensors(), strict=True):
+                value, wanted = made.tensor(node), expected.tensor(other)
+                assert value.dtype == torch.float32 and torch.equal(value, wanted), (call.key, slot)
+
+
+class TiedTower(Tower):
+    """Reads a grandchild's weight outside its call (x-transformers' tied logits ``x @ token_emb.emb.weight.T``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.blocks[0].up.weight[:16].T
+
+
+def test_a_weight_read_from_outside_its_module_is_never_met_unconverted(tmp_path, monkeypatch):
+    """In place, a weight read while its module is not running would be the original (the reference's unrounded):
+    it is stood in for by a meta tensor, so the in-place run fails and the lifted replay runs on float32 copies;
+    where a copy does not fit, it is skipped with a note saying both, never judged on the wrong weights."""
+    import paritylab.run.lifting as lifting
+
+    torch.manual_seed(0)
+    reference = TiedTower().eval()
+    for parameter in reference.parameters():
+        nn.init.normal_(parameter, std=0.3)
+    candidate = converted_copy(reference, torch.bfloat16)
+    x = torch.randn(2, 5, 8)
+    lifted, notes = _lifted(reference, candidate, x, tmp_path / "fits")
+    assert lifted is not None and lifted.copies and notes == []
+    rows = lifted.judged()
+    assert rows and max(row.rel_l2 for row in rows.values()) < 1e-6  # the copies: same weights, same code
     monkeypatch.setattr(lifting, "available_memory", lambda device: 1000)
-    lifted, notes = _lifted(reference, candidate, x, tmp_path)
-    assert lifted is None and len(notes) == 1 and "does not fit in the 0.0 GiB available on cpu" in notes[0]
-    assert not (tmp_path / "lifted-reference").exists()
+    lifted, notes = _lifted(reference, candidate, x, tmp_path / "tight")
+    assert lifted is None and len(notes) == 2 and notes[0].startswith("lifted replay skipped: RuntimeError")
+    assert "a float32 copy (0.0 GiB), which might have run, does not fit in the 0.0 GiB available" in notes[1]
+    assert all(p.device.type == "cpu" for model in (reference, candidate) for p in model.parameters())
 
 
 def _lifted(reference: nn.Module, candidate: nn.Module, x: torch.Tensor, directory) -> tuple[object, list[str]]:

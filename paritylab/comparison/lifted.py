@@ -89,6 +89,9 @@ class LiftedReplay:
     made_with: Twins | None = None
     """What the two lifted copies were made with (:func:`~paritylab.comparison.twins.twins`): a drill-down into a
     lifted origin makes its copies the same way."""
+    copies: bool = False
+    """The lifted sides ran as float32 copies of both models, because the models could not run converted in place
+    (:func:`~paritylab.run.lifting.lift`): a drill-down into a lifted origin makes copies too."""
     _judged: dict[tuple[object, ...], dict[str, Row]] = field(default_factory=dict, compare=False, repr=False)
     """Rows already judged, per set of tolerances (the run's guard and its judgement read the same rows)."""
 

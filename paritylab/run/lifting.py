@@ -10,7 +10,9 @@ it cannot be trusted: a copy that fails or calls other modules, or most modules 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,9 @@ from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weigh
 from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap
 from paritylab.comparison.verify import handing_on, hands_on_output
-from paritylab.run.resident import available_memory, converted_copy
-from paritylab.tracing.initial import reset_caches
+from paritylab.run.resident import Slot, available_memory, converted_bytes, converted_copy
+from paritylab.run.widening import converted_in_place
+from paritylab.tracing.initial import caches_reset, reset_caches
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
 
@@ -51,16 +54,6 @@ def lift(
     if dtype is None:
         return None
     reference, candidate = unwrap(reference), unwrap(candidate)
-    needed = max(_float32_bytes(reference), _float32_bytes(candidate))  # one copy alive at a time
-    device = next(candidate.parameters()).device
-    free = available_memory(device)
-    if free is not None and needed > LIFTED_MEMORY_SHARE * free:
-        if notes is not None:
-            notes.append(
-                f"lifted replay skipped: a float32 copy ({needed / 2**30:.1f} GiB) does not fit in the "
-                f"{free / 2**30:.1f} GiB available on {device}"
-            )
-        return None
     try:
         found = twins(reference, candidate, dtype, reference_trace)  # what the copies and the weights check share
         eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype, found)
@@ -70,31 +63,28 @@ def lift(
         return None
     if not eligible:
         return None
-    traces: list[Trace] = []
-    steps = (  # one float32 copy alive at a time
-        lambda: _traced(
-            lifted_reference(reference, dtype, candidate, found),
-            widened(reference_call, dtype),
-            directory / "lifted-reference",
-        ),
-        lambda: isolated_replay(
-            lifted_candidate(candidate, dtype, reference, found), widened(candidate_call, dtype), traces[0],
-            candidate_trace, alignment, directory / "lifted-candidate",
-            fed=_fed_leaves(traces[0], candidate_trace, alignment, eligible),
-        ),
+    needed = max(converted_bytes(model, LIFTED_DTYPE) for model in (reference, candidate))  # one copy at a time
+    free = available_memory(next(candidate.parameters()).device)
+    fits = free is None or needed <= LIFTED_MEMORY_SHARE * free
+    uncalled = (_uncalled(reference_trace), _uncalled(candidate_trace))
+    traces, problem = _lifted_traces(
+        reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, alignment, eligible,
+        dtype, found, uncalled, directory, copies=False,
     )  # fmt: skip
-    for step, own_trace in zip(steps, (reference_trace, candidate_trace), strict=True):
-        try:
-            made = step()
-        except Exception as error:  # the user's code, run in float32
-            problem = f"{type(error).__name__}: {error}"
-        else:
-            if [c.key for c in made.calls] == [c.key for c in own_trace.calls]:
-                traces.append(made)
-                continue
-            problem = "a float32 copy made other module calls than its original"
+    copies = traces is None or _narrowed(traces, dtype)
+    if copies and fits:  # in place could not run as a copy does (a module reads weights it does not hold)
+        traces, problem = _lifted_traces(
+            reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, alignment,
+            eligible, dtype, found, uncalled, directory, copies=True,
+        )  # fmt: skip
+    if traces is None:
         if notes is not None:
             notes.append(f"lifted replay skipped: {problem}")
+            if not fits:
+                notes.append(
+                    f"lifted replay: a float32 copy ({needed / 2**30:.1f} GiB), which might have run, does not fit"
+                    f" in the {free / 2**30 if free else 0:.1f} GiB available"
+                )
         return None
     observers = weightless(candidate, candidate_trace, alignment, dtype)
     fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
@@ -102,7 +92,7 @@ def lift(
     sources = exact_sources(candidate, found.proven, dtype)
     lifted = LiftedReplay(
         str(dtype).removeprefix("torch."), traces[0], traces[1], eligible, alignment, observers, forced, sources,
-        handing_on(candidate_trace), found,
+        handing_on(candidate_trace), found, copies and fits,
     )  # fmt: skip
     rows = lifted.judged()
     differing = sum(lifted.own_error(row) is not None for row in rows.values())
@@ -115,6 +105,67 @@ def lift(
             )
         return None
     return lifted
+
+
+def _lifted_traces(
+    reference: nn.Module,
+    reference_call: Call,
+    candidate: nn.Module,
+    candidate_call: Call,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    eligible: frozenset[str],
+    dtype: torch.dtype,
+    found: Twins,
+    uncalled: tuple[Collection[str], Collection[str]],
+    directory: Path,
+    copies: bool,
+) -> tuple[list[Trace] | None, str]:
+    """The lifted reference's trace and the lifted candidate's replay, made in place (``copies`` false: each
+    module's tensors converted while it runs) or on float32 copies (one alive at a time); ``None`` and the
+    reason when either could not run as its original did."""
+    traces: list[Trace] = []
+
+    def lifted_reference_trace() -> Trace:
+        model, call = lifted_reference_side(reference, reference_call, dtype, candidate, found, copies, uncalled[0])
+        return _traced(model, call, directory / "lifted-reference")
+
+    def lifted_candidate_trace() -> Trace:
+        model, call = lifted_candidate_side(candidate, candidate_call, dtype, reference, found, copies, uncalled[1])
+        fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
+        return isolated_replay(
+            model, call, traces[0], candidate_trace, alignment, directory / "lifted-candidate", fed=fed
+        )
+
+    for name in ("lifted-reference", "lifted-candidate"):  # an attempt in place before these copies
+        shutil.rmtree(directory / name, ignore_errors=True)
+    for step, own_trace in ((lifted_reference_trace, reference_trace), (lifted_candidate_trace, candidate_trace)):
+        try:
+            made = step()
+        except Exception as error:  # the user's code, run in float32
+            return None, f"{type(error).__name__}: {error}"
+        if [c.key for c in made.calls] != [c.key for c in own_trace.calls]:
+            return None, "the float32 run made other module calls than its original"
+        traces.append(made)
+    return traces, ""
+
+
+def _narrowed(traces: list[Trace], dtype: torch.dtype) -> bool:
+    """Whether a lifted trace made in place holds a value in ``dtype`` or on the meta device: code that read a
+    weight's dtype or device from a module that was not running (its weights stood in for) and followed it, where a
+    float32 copy would have computed in float32."""
+    name = str(dtype).removeprefix("torch.")
+    return any(
+        node.get("dtype") == name or node.get("device") == "meta"
+        for trace in traces
+        for call in trace.calls
+        for _, node in call.tensors("outputs")
+    )
+
+
+def _uncalled(trace: Trace) -> list[str]:
+    return [str(path) for path in trace.meta.get("modules_not_called") or []]
 
 
 def _fed_leaves(
@@ -140,11 +191,6 @@ LIFTED_MEMORY_SHARE = 0.8
 twice its size): the lifted replay is skipped with a note rather than the run killed for memory."""
 
 
-def _float32_bytes(model: nn.Module) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in tensors)
-
-
 SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
 """A lifted replay in which at least this many modules, and this share of those it judges, show their own
 code differing is taken for a precision the copy could not lift, not for bugs, and is not used."""
@@ -162,6 +208,112 @@ def lifted_reference(
     for path, slots in found.rounded_outputs.items() if found else ():
         copy.get_submodule(path).register_forward_hook(_rounding(slots, dtype))
     return copy
+
+
+def lifted_reference_side(
+    reference: nn.Module,
+    call: Call,
+    dtype: torch.dtype,
+    candidate: nn.Module | None,
+    found: Twins | None,
+    copy: bool,
+    uncalled: Collection[str] = (),
+) -> tuple[nn.Module, Call]:
+    """The lifted reference as a model and the call that runs it: :func:`lifted_reference`'s copy (``copy``), or
+    the reference itself, each module's parameters rounded while it runs (:func:`lifted_reference_call`)."""
+    if copy:
+        return lifted_reference(reference, dtype, candidate, found), widened(call, dtype)
+    found = found or (twins(reference, candidate, dtype) if candidate is not None else None)
+    return unwrap(reference), lifted_reference_call(call, dtype, found, uncalled)
+
+
+def lifted_candidate_side(
+    candidate: nn.Module,
+    call: Call,
+    dtype: torch.dtype,
+    reference: nn.Module | None,
+    found: Twins | None,
+    copy: bool,
+    uncalled: Collection[str] = (),
+) -> tuple[nn.Module, Call]:
+    """The lifted candidate as a model and the call that runs it: :func:`lifted_candidate`'s copy (``copy``), or
+    the candidate itself, each module's tensors widened while it runs (:func:`lifted_candidate_call`)."""
+    if copy:
+        return lifted_candidate(candidate, dtype, reference, found), widened(call, dtype)
+    restored = (found or twins(reference, candidate, dtype)).restored if reference is not None else None
+    return unwrap(candidate), lifted_candidate_call(call, dtype, restored, uncalled)
+
+
+def lifted_reference_call(
+    call: Call, dtype: torch.dtype, found: Twins | None = None, uncalled: Collection[str] = ()
+) -> Call:
+    """``call`` for the reference itself, computing what :func:`lifted_reference`'s copy computes without a copy:
+    while each module runs, its parameters (and its direct children's) are float32 tensors rounded to ``dtype``
+    (those ``found`` gives held as given), its buffers float32 copies, the tables :attr:`Twins.rounded_outputs`
+    names rounded as they leave; and the inputs are :func:`widened`. Only the running modules' copies are alive
+    at a time (:func:`~paritylab.run.widening.converted_in_place`); the model is unchanged afterwards."""
+    given = found.given if found is not None else {}
+
+    def run(model: nn.Module) -> Any:
+        stored = _stored(model)
+
+        def convert(_: Slot, tensor: torch.Tensor) -> torch.Tensor | None:
+            if id(tensor) not in stored:
+                return None  # a plain tensor attribute, held as it is (as ``Module.to`` and the copy do)
+            source = given.get(id(tensor), tensor).detach()
+            if id(tensor) not in given and isinstance(tensor, nn.Parameter) and tensor.is_floating_point():
+                source = source.to(dtype)
+            return source.to(LIFTED_DTYPE if tensor.is_floating_point() else tensor.dtype, copy=True)
+
+        rounding = [  # before the tracer's hooks: it records the table as it leaves
+            model.get_submodule(path).register_forward_hook(_rounding(slots, dtype), prepend=True)
+            for path, slots in (found.rounded_outputs.items() if found is not None else ())
+        ]
+        try:
+            with converted_in_place(model, convert, uncalled, stand_in=LIFTED_DTYPE):
+                return widened(call, dtype)(model)
+        finally:
+            for handle in rounding:
+                handle.remove()
+
+    return run
+
+
+def lifted_candidate_call(
+    call: Call,
+    dtype: torch.dtype,
+    restored: Mapping[int, torch.Tensor] | None = None,
+    uncalled: Collection[str] = (),
+) -> Call:
+    """``call`` for the ``dtype`` candidate itself, computing what :func:`lifted_candidate`'s copy computes without
+    a copy: while each module runs, its parameters and buffers (and its direct children's) are float32 copies
+    (``restored``: ``id`` of a buffer -> the values it held before a cast rounded it), its caches as before its
+    first traced run and its configured ``dtype`` float32; the inputs are :func:`widened`. Everything is put back
+    afterwards: attributes the run set, settings, tensors."""
+    given = restored or {}
+
+    def run(model: nn.Module) -> Any:
+        stored = _stored(model)
+
+        def convert(_: Slot, tensor: torch.Tensor) -> torch.Tensor | None:
+            if id(tensor) not in stored:
+                return None
+            target = LIFTED_DTYPE if tensor.is_floating_point() else tensor.dtype
+            return given.get(id(tensor), tensor).detach().to(target, copy=True)  # a copy: the run may write to it
+
+        with (
+            caches_reset(model),
+            configured_wide_in_place(model, dtype),
+            converted_in_place(model, convert, uncalled, stand_in=LIFTED_DTYPE),
+        ):
+            return widened(call, dtype)(model)
+
+    return run
+
+
+def _stored(model: nn.Module) -> set[int]:
+    """``id`` of every parameter and buffer ``model`` holds (what ``Module.to`` converts)."""
+    return {id(t) for t in (*model.parameters(), *model.buffers())}
 
 
 def _rounding(slots: frozenset[str], dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
@@ -197,7 +349,29 @@ def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model`` with every attribute naming ``dtype`` as the precision to compute in, on its modules and on
     the objects they hold (a config such as TransformerLens' ``cfg.dtype``, which its norms and attention cast
     to), set to float32: the lifted copy's code then rounds nowhere. ``model`` is a copy: changed in place."""
+    for owner, name, value, _ in _wide_settings(model, dtype):
+        object.__setattr__(owner, name, value)
+    return model
+
+
+@contextmanager
+def configured_wide_in_place(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """While inside, :func:`configured_wide`'s settings hold on ``model`` itself; the originals are put back
+    afterwards (a config object may be shared with another model)."""
+    changes = _wide_settings(model, dtype)
+    for owner, name, value, _ in changes:
+        object.__setattr__(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, _, before in reversed(changes):
+            object.__setattr__(owner, name, before)
+
+
+def _wide_settings(model: nn.Module, dtype: torch.dtype) -> list[tuple[Any, str, Any, Any]]:
+    """``(owner, name, float32 setting, setting now)`` for each attribute naming ``dtype`` (:func:`configured_wide`)."""
     seen: set[int] = set()
+    changes: list[tuple[Any, str, Any, Any]] = []
     names = {name for base in _NAMES.get(dtype, ()) for name in (base, f"torch.{base}")}
     for module in model.modules():
         for owner in (module, *(v for v in vars(module).values() if _plain_object(v))):
@@ -206,10 +380,10 @@ def configured_wide(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             seen.add(id(owner))
             for name, value in list(vars(owner).items()):
                 if isinstance(value, torch.dtype) and value == dtype:
-                    object.__setattr__(owner, name, LIFTED_DTYPE)
+                    changes.append((owner, name, LIFTED_DTYPE, value))
                 elif type(value) is str and value in names:  # "bfloat16", "bf16", "torch.bfloat16"
-                    object.__setattr__(owner, name, _WIDE_NAMES[value.removeprefix("torch.")])
-    return model
+                    changes.append((owner, name, _WIDE_NAMES[value.removeprefix("torch.")], value))
+    return changes
 
 
 _NAMES = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("float16", "fp16", "half")}

@@ -28,9 +28,9 @@ from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift
-from paritylab.run.resident import available_memory, converted_copy, model_bytes
+from paritylab.run.resident import available_memory, converted_bytes, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
-from paritylab.run.widening import widened_in_place
+from paritylab.run.widening import cast_in_place, widened_in_place
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
 from paritylab.tracing.values import iter_tensors
@@ -104,13 +104,25 @@ def estimate_floors(
     exact = exact_side(reference, runner, reference_trace, directory)
     if low_trace is not None:
         return Floors(dtype, free_run_floor(exact, low_trace), from_candidate=True)
-    low_model = converted_copy(reference, dtype)
-    low = trace_model(low_model, runner(dtype), directory / "noise-low", capture=None)
-    alignment = align(reference_trace, low)
-    replayed = isolated_replay(
-        low_model, runner(dtype), reference_trace, low, alignment, directory / "noise-local", fingerprint=False
-    )
-    return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment), replayed)
+    uncalled = [str(path) for path in reference_trace.meta.get("modules_not_called") or []]
+
+    def measure(model: nn.Module, call: Call) -> Floors:
+        low = trace_model(model, call, directory / "noise-low", capture=None)
+        alignment = align(reference_trace, low)
+        replayed = isolated_replay(
+            model, call, reference_trace, low, alignment, directory / "noise-local", fingerprint=False
+        )
+        return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment), replayed)
+
+    try:  # no copy of the reference: each module's tensors cast while it runs
+        return measure(reference, cast_in_place(runner(dtype), dtype, uncalled))
+    except Exception:
+        free = available_memory(next(reference.parameters()).device)
+        if free is not None and converted_bytes(reference, dtype) > LIFTED_MEMORY_SHARE * free:
+            raise
+    for name in ("noise-low", "noise-local"):  # a module read weights it does not hold: on a copy
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return measure(converted_copy(reference, dtype), runner(dtype))
 
 
 def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: Trace, directory: Path) -> Floors:
@@ -123,20 +135,21 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
     uncalled = reference_trace.meta.get("modules_not_called") or []
     wide = cast_call(call, torch.float64)
 
-    def measure(model: nn.Module) -> Floors:
-        exact = trace_model(model, wide, directory / "noise-exact64", capture=None)
+    def measure(model: nn.Module, run: Call) -> Floors:
+        exact = trace_model(model, run, directory / "noise-exact64", capture=None)
         if [c.key for c in exact.calls] != [c.key for c in reference_trace.calls]:
             raise RuntimeError("the float64 forward made other module calls than the float32 one")
         alignment = align(reference_trace, reference_trace)
-        replayed = isolated_replay(
-            model, wide, reference_trace, reference_trace, alignment, directory / "noise-local64"
-        )
+        replayed = isolated_replay(model, run, reference_trace, reference_trace, alignment, directory / "noise-local64")
         local = local_floors(reference_trace, replayed, alignment)
         return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
 
+    def widened(model: nn.Module) -> Any:  # inside the tracer: it meets the weights themselves
+        with widened_in_place(model, torch.float64, uncalled, stand_in=True):  # no weight met in float32
+            return wide(model)
+
     try:
-        with widened_in_place(reference, torch.float64, uncalled):
-            return measure(reference)
+        return measure(reference, widened)
     except Exception:
         device = next(reference.parameters()).device
         free = available_memory(device)
@@ -144,7 +157,7 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
             raise
     for name in ("noise-exact64", "noise-local64"):
         shutil.rmtree(directory / name, ignore_errors=True)
-    return measure(converted_copy(reference, torch.float64))
+    return measure(converted_copy(reference, torch.float64), wide)
 
 
 def compare_against_floors(

@@ -99,6 +99,12 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t, _ in tensor_slots(model).values())
 
 
+def converted_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``model``'s parameters and buffers converted to ``dtype`` (``Module.to``: floating-point ones)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
 def assign_slot(slot: Slot, tensor: torch.Tensor) -> None:
     if slot.kind == "parameter":
         slot.module._parameters[slot.name] = tensor  # type: ignore[assignment]

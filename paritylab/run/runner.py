@@ -42,7 +42,7 @@ from paritylab.run.candidates import Candidate, build_candidate, instantiate, re
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.identity import run_name, run_tags
 from paritylab.run.inputs import build_inputs
-from paritylab.run.lifting import lift, lifted_candidate, lifted_reference, widened
+from paritylab.run.lifting import lift, lifted_candidate_side, lifted_reference_side
 from paritylab.run.parity import (
     EXIT_ERROR,
     EXIT_FAIL,
@@ -582,11 +582,13 @@ class _Session:
         reference, candidate = reference.to(self.device), candidate.to(self.device)
         if lifted is not None and first.local.get("lifted_diverged"):
             low = getattr(torch, lifted.dtype)
-            reference, candidate = (
-                lifted_reference(reference, low, candidate, lifted.made_with),
-                lifted_candidate(candidate, low, reference, lifted.made_with),
-            )
-            ref_run, cand_run, forced_on = widened(ref_run, low), widened(cand_run, low), lifted.reference
+            made, copies = lifted.made_with, lifted.copies
+            uncalled = [trace.meta.get("modules_not_called") or [] for trace in (ref_trace, cand_trace)]
+            (reference, ref_run), (candidate, cand_run) = (
+                lifted_reference_side(reference, ref_run, low, candidate, made, copies, uncalled[0]),
+                lifted_candidate_side(candidate, cand_run, low, reference, made, copies, uncalled[1]),
+            )  # fmt: skip
+            forced_on = lifted.reference
             dtype, own = "float32", first.local.get("lifted_rel_l2", own)
             self.notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")
         found = drill_into(

@@ -11,6 +11,8 @@ remembers each module's plain attributes as they were (a shallow snapshot: names
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -57,6 +59,36 @@ def reset_caches(copy: nn.Module, original: nn.Module) -> list[str]:
                 delattr(target, name)
             reset.append(f"{path}.{name}" if path else name)
     return reset
+
+
+@contextmanager
+def caches_reset(model: nn.Module) -> Iterator[None]:
+    """While inside, ``model``'s caches are as before its first traced run (:func:`reset_caches` on itself), so a
+    run inside computes them afresh; afterwards every plain attribute is as it was on entering
+    (:func:`attributes_kept`)."""
+    with attributes_kept(model):
+        reset_caches(model, model)
+        yield
+
+
+@contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Afterwards, every plain attribute of every module of ``model`` is what it was on entering (those set inside
+    are removed): a run inside (in another precision) leaves no cache of its own behind."""
+    before = {module: _plain(module) for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module, attributes in before.items():
+            now = _plain(module)
+            for name in now.keys() - attributes.keys():
+                object.__delattr__(module, name)
+            for name, value in attributes.items():
+                if now.get(name, _ABSENT) is not value:
+                    object.__setattr__(module, name, value)
+
+
+_ABSENT = object()
 
 
 def _plain(module: nn.Module) -> dict[str, Any]:
