@@ -4,7 +4,7 @@ In bfloat16 a module's own rounding error is 2e-3 to 4e-3 of its output, so an e
 gain, an offset, noise, an eps, an activation variant) hides under it. Rounding belongs to the precision,
 not to the code: run the candidate's modules in float32 and the error is gone, except that its weights are
 rounded. Run the reference in float32 with its parameters rounded to the candidate's precision, and the two
-hold the same weights bit for bit. The candidate's float32 copy is then replayed in isolation on that run
+hold the same weights bit for bit. The candidate, in float32, is then replayed in isolation on that run
 (every aligned module's output replaced by its counterpart's, so each module is fed what its counterpart
 was), and what still differs between a module and its counterpart is code, judged against float32
 tolerances as an fp32 candidate's would be.

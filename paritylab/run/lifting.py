@@ -1,11 +1,15 @@
-"""The lifted replay as a run phase: the two float32 copies made, run and checked (the judgement itself is
+"""The lifted replay as a run phase: the two float32 sides made, run and checked (the judgement itself is
 :mod:`paritylab.comparison.lifted`).
 
 A bfloat16/float16 candidate's code is replayed in float32 with the very weights it holds, against the
-reference run in float32 with its parameters rounded the same way. This module makes those copies (one alive
-at a time, and only when one fits in memory), gives them the calls they need (floating inputs rounded to the
-candidate's precision, then widened), lifts a precision named in a config, and sets the replay aside when
-it cannot be trusted: a copy that fails or calls other modules, or most modules differing at once.
+reference run in float32 with its parameters rounded the same way. Neither side is copied: each module's
+tensors are rounded or widened while it runs (:func:`lifted_reference_call`, :func:`lifted_candidate_call`,
+through :func:`~paritylab.run.widening.converted_in_place`), so only the running modules' float32 tensors are
+alive at a time. A model that reads a weight outside its module's call, which a converted copy would give it
+converted, runs on float32 copies instead (:func:`lifted_reference`, :func:`lifted_candidate`; one alive at a
+time, and only when one fits in memory). This module gives both the calls they need (floating inputs rounded
+to the candidate's precision, then widened), lifts a precision named in a config, and sets the replay aside
+when it cannot be trusted: a side that fails or calls other modules, or most modules differing at once.
 """
 
 from __future__ import annotations

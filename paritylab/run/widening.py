@@ -197,5 +197,5 @@ class StandIn(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise RuntimeError(
             f"{func} read a weight of a module that was not running; a model run converted in place cannot give it"
-            " (its float32 copy can)"
+            " (a converted copy can)"
         )
