@@ -2,13 +2,19 @@
 with peak memory, at TinyLlama's shape (1.10 B parameters) or a smaller one.
 
     python benchmarks/large.py [--shape 1b|300m|quick] [--rounds 1] [--candidate bf16]
-    python benchmarks/large.py --candidate "sdpa candidate.dtype=bfloat16"   # a bf16 port: the lifted replay runs
+    python benchmarks/large.py --candidate "sdpa candidate.dtype=bfloat16"   # the reference's code cast, another kernel
+    python benchmarks/large.py --capture [--reps 3]   # the reference trace against its plain forward, in-process
 
 Each round runs, in fresh processes: ``floor`` (build the reference and the candidate, one forward each, in
 ``torch.no_grad()``) and ``paritylab`` (the whole run, MLflow off: its child process is not the run's memory),
 sampling each process's anonymous memory every 5 ms. Prints wall time, peak memory and their ratios side by
 side, the run's phases (``run.json``), and each target of issue #30 met or missed. Everything is written into a
 temporary directory that is removed.
+
+``--capture`` instead builds the reference once, in this process, and times its forward plain, under paritylab's
+tracer (statistics only; every tensor saved, as the run traces the reference) and under naive forward hooks
+writing one safetensors file, rounds interleaved after a warm-up round, medians of per-round ratios
+(``benchmarks/bench.py``'s modes): the reference trace against its own plain forward.
 """
 
 from __future__ import annotations
@@ -88,6 +94,41 @@ def measure(shape: str, candidate: str, rounds: int) -> dict[str, float]:
     return result
 
 
+CAPTURE_MODES = ["plain", "stats", "full", "write_floor", "hooks_safetensors"]
+
+
+def capture(shape: str, reps: int) -> dict[str, object]:
+    """The capture modes side by side on the reference at ``shape``, in this process (see the module's text)."""
+    import torch
+
+    from benchmarks.bench import time_modes
+    from paritylab.cli.app import compose
+    from paritylab.run.candidates import instantiate
+    from paritylab.run.inputs import build_inputs
+
+    cfg = compose(overrides(shape, "bf16"))
+    torch.manual_seed(0)
+    model = instantiate("model.build", cfg.model.build).eval()
+    inputs = build_inputs(cfg.inputs, cfg.model.family, model, None)
+    return time_modes(model, inputs, reps, "cpu", CAPTURE_MODES)
+
+
+def render_capture(shape: str, reps: int, timing: dict[str, dict[str, float]]) -> str:
+    lines = [
+        f"{shape} ({TOKENS} tokens), the reference's forward, {reps} interleaved rounds, medians",
+        "| mode | time | ratio to plain | written |",
+        "|---|---|---|---|",
+    ]
+    for name in CAPTURE_MODES:
+        written = timing["written"].get(name, {}).get("bytes", 0)
+        lines.append(
+            f"| {name} | {timing['seconds'][name]:.2f} s | {timing['ratio_to_plain'][name]:.2f}x "
+            f"| {written / 2**20:.0f} MB |"
+        )
+    lines.append("targets (issue #30): the reference trace (full) at most 1.2x its plain forward; stats only 1.08x")
+    return "\n".join(lines)
+
+
 def render(shape: str, candidate: str, rounds: int, result: dict[str, float]) -> str:
     lines = [
         f"{shape} ({TOKENS} tokens, candidate={candidate}), median of {rounds} round(s), MLflow off",
@@ -108,7 +149,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--candidate", default="bf16")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--capture", action="store_true", help="capture modes on the reference, in this process")
+    parser.add_argument("--reps", type=int, default=3, help="--capture: interleaved rounds after the warm-up")
     options = parser.parse_args(argv)
+    if options.capture:
+        timing = capture(options.shape, options.reps)
+        print(render_capture(options.shape, options.reps, timing))  # type: ignore[arg-type]
+        return {f"ratio {name}": value for name, value in timing["ratio_to_plain"].items()}  # type: ignore[union-attr]
     result = measure(options.shape, options.candidate, options.rounds)
     print(render(options.shape, options.candidate, options.rounds, result))
     return result

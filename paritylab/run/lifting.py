@@ -77,10 +77,13 @@ def lift(
     )  # fmt: skip
     copies = traces is None or _narrowed(traces, dtype)
     if copies and fits:  # in place could not run as a copy does (a module reads weights it does not hold)
+        why = problem or f"a value left in {str(dtype).removeprefix('torch.')} or on no device"
         traces, problem = _lifted_traces(
             reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, alignment,
             eligible, dtype, found, uncalled, directory, copies=True,
         )  # fmt: skip
+        if traces is not None and notes is not None:
+            notes.append(f"lifted replay on float32 copies ({needed / 2**30:.2f} GiB): in place, {why}")
     if traces is None:
         if notes is not None:
             notes.append(f"lifted replay skipped: {problem}")
