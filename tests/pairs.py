@@ -860,6 +860,7 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
     at all (in bfloat16, ×1.001 rounds back to every value: such a plant is no error)."""
     effect = {"changed": False}
     target = model.get_submodule(path)
+    first = next(model.parameters(), None)  # in the model's own runs; converted or stood in for when lifted
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         value = output[0] if isinstance(output, tuple) else output
@@ -873,7 +874,7 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
                 generator = torch.Generator(device=value.device).manual_seed(seed)
                 noise = torch.randn(value.shape, generator=generator, device=value.device).to(value.dtype)
                 changed = value + size * std * noise
-        if module is target:  # the model's own run (a float32 copy of a bf16 model runs the plant too)
+        if module is target and next(model.parameters(), None) is first:  # the model's own run, not a lifted one
             effect["changed"] = effect["changed"] or bool((changed != value).any())
         return (changed, *output[1:]) if isinstance(output, tuple) else changed
 
