@@ -52,7 +52,7 @@ def lift(
     weights and the reference wider ones, both replayed in float32 with the candidate's weights (the reference's
     parameters rounded), so each module's code is judged without its precision's rounding. ``None`` when it
     does not apply: no low-precision candidate, or no pair whose weights are provably the same; or when a
-    float32 copy cannot run as its original did (said in ``notes``: the lifted replay only adds findings, so
+    side cannot run in float32 as its original did (said in ``notes``: the lifted replay only adds findings, so
     the low-precision judgement then stands alone)."""
     dtype = lifts(reference, candidate)
     if dtype is None:
@@ -194,8 +194,9 @@ def _fed_leaves(
 
 
 LIFTED_MEMORY_SHARE = 0.8
-"""A float32 copy larger than this share of the memory available is not made (a large bf16 model's copy is
-twice its size): the lifted replay is skipped with a note rather than the run killed for memory."""
+"""A copy larger than this share of the memory available is not made (a large bf16 model's float32 copy is twice
+its size): where a model cannot run converted in place, the phase that needs the copy (the lifted replay, a noise
+floor) is skipped with a note rather than the run killed for memory."""
 
 
 SYSTEMIC_MODULES, SYSTEMIC_SHARE = 4, 0.5
