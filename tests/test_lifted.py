@@ -277,18 +277,22 @@ class CachedAngles(Angles):
         return (self._cached,)
 
 
-def test_what_a_low_precision_run_cached_is_made_afresh_in_the_lifted_copy(tmp_path):
-    """The bf16 run caches its angles in bf16 on the module; a float32 copy made afterwards would reuse them. The
-    lifted copy puts the cache back as it was before the first traced run (none), so the angles are computed
-    again in float32 from the restored ``inv_freq``, the attentions are judged lifted, and a x1.001 gain in one
-    is named there."""
+def _cached_pair() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A rotary reference and a bf16 candidate whose angles are cached on the module (:class:`CachedAngles`)."""
     torch.manual_seed(0)
     reference = RotaryTower().eval()
     candidate = RotaryTower(angles=True).eval()
     candidate.rotary = CachedAngles(16)
     candidate.load_state_dict(reference.state_dict())
-    candidate = candidate.to(torch.bfloat16)
-    x = torch.randn(1, 12, 16)
+    return reference, candidate.to(torch.bfloat16), torch.randn(1, 12, 16)
+
+
+def test_what_a_low_precision_run_cached_is_made_afresh_in_the_lifted_copy(tmp_path):
+    """The bf16 run caches its angles in bf16 on the module; a float32 copy made afterwards would reuse them. The
+    lifted copy puts the cache back as it was before the first traced run (none), so the angles are computed
+    again in float32 from the restored ``inv_freq``, the attentions are judged lifted, and a x1.001 gain in one
+    is named there."""
+    reference, candidate, x = _cached_pair()
     calls = {"reference_call": lambda m: m(x), "candidate_call": lambda m: m(x.bfloat16())}
     clean = check(reference, candidate, tmp_path / "clean", **calls)
     assert clean.passed, clean.report.first_divergence
@@ -392,13 +396,7 @@ def test_the_lifted_replay_runs_in_place_as_its_float32_copies_do(tmp_path, monk
     with the very values the copies compute, and both models are as they were afterwards, caches included."""
     import paritylab.run.lifting as lifting
 
-    torch.manual_seed(0)
-    reference = RotaryTower().eval()
-    candidate = RotaryTower(angles=True).eval()
-    candidate.rotary = CachedAngles(16)
-    candidate.load_state_dict(reference.state_dict())
-    candidate = candidate.to(torch.bfloat16)
-    x = torch.randn(1, 12, 16)
+    reference, candidate, x = _cached_pair()
     reference_trace = trace_model(reference, lambda m: m(x), tmp_path / "reference")
     candidate_trace = trace_model(candidate, lambda m: m(x.bfloat16()), tmp_path / "candidate")
     alignment = compare_traces(reference_trace, candidate_trace).alignment
