@@ -49,7 +49,7 @@ from paritylab.comparison.twins import (
     unwrap,
 )
 from paritylab.comparison.verify import CHANGED_AFTER, charge_hand_ons
-from paritylab.tracing.structure import MASK, ModulePrint, fingerprint
+from paritylab.tracing.structure import MASK, ModulePrint, fingerprint, rows_of
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
 
@@ -241,9 +241,19 @@ def same_weights(
         if any(call.path in unsafe for call in cand_calls):
             continue
         sums = [_weights(side, calls) for side, calls in zip(prints, (ref_calls, cand_calls), strict=True)]
-        if sums[0] is not None and sums[0] == sums[1]:
+        if (sums[0] is not None and sums[0] == sums[1]) or _rows_of(prints, ref_calls, cand_calls):
             eligible.add(pair.reference)
     return frozenset(eligible)
+
+
+def _rows_of(prints: tuple[dict[str, ModulePrint], dict[str, ModulePrint]], *calls: list[CallRecord]) -> bool:
+    """Whether a module pair's candidate holds its reference's parameters, a table cut to a run of its rows
+    (:func:`~paritylab.tracing.structure.rows_of`): the lifted reference then holds every row the candidate holds,
+    rounded alike, and which rows each side's code reads is its code, judged as such."""
+    if any(len(side) != 1 for side in calls):
+        return False
+    found = [prints[side].get(side_calls[0].path) for side, side_calls in enumerate(calls)]
+    return found[0] is not None and found[1] is not None and rows_of(found[0], found[1])
 
 
 def weightless(

@@ -284,6 +284,38 @@ def restrict_to_called(prints: dict[str, ModulePrint], called: set[str]) -> dict
     }
 
 
+def rows_of(whole: ModulePrint, part: ModulePrint) -> bool:
+    """Whether ``part``'s module holds ``whole``'s parameters, each whole or, for a table, a contiguous run of its
+    rows (row by row, on the grid both were hashed on), and nothing else: a position table kept without its offset
+    rows (OPT's first two, which transformers never reads), a vocabulary trimmed of its padding. Both modules hold
+    only parameters of their own, matched one to one, one table at least cut."""
+    held = [item.params for item in (whole, part)]
+    if not all(held) or len(held[0]) != len(held[1]):
+        return False
+    if any(item.numel != sum(math.prod(p.shape) for p in item.params) for item in (whole, part)):
+        return False  # a module with parameters inside it
+    unmatched = list(held[0])
+    for param in held[1]:
+        match = next((twin for twin in unmatched if _same_or_rows(twin, param)), None)
+        if match is None:
+            return False
+        unmatched.remove(match)
+    return whole.numel != part.numel
+
+
+def _same_or_rows(whole: ParamPrint, part: ParamPrint) -> bool:
+    if whole.digest == part.digest and math.prod(whole.shape) == math.prod(part.shape):
+        return True
+    if len(whole.shape) != 2 or len(part.shape) != 2 or not whole.row_bytes or not part.row_bytes:
+        return False
+    if whole.shape[1] != part.shape[1] or part.shape[0] >= whole.shape[0]:
+        return False
+    at = whole.row_bytes.find(part.row_bytes)
+    while at != -1 and at % 8:  # a run of whole rows, not bytes straddling two
+        at = whole.row_bytes.find(part.row_bytes, at + 1)
+    return at != -1
+
+
 def inner_digests(prints: dict[str, ModulePrint]) -> dict[str, frozenset[int]]:
     """Module path -> the fingerprints of its proper descendants that hold parameters."""
     inner: dict[str, set[int]] = {}

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from paritylab.comparison.alignment._shapes import _primary, merged, transposed
-from paritylab.tracing.structure import ModulePrint
+from paritylab.tracing.structure import ModulePrint, rows_of
 from paritylab.tracing.tracefile import CallRecord
 
 _TOKEN = re.compile(r"[a-z]+|\d+")
@@ -40,6 +40,9 @@ class _Features:
     """Every weight value it holds is one of its own parameters (no module inside it holds one): it computes with
     its weights itself, where a module holding the same weights through a child wraps that child's computation
     in code of its own (a residual addition, a rescaling)."""
+    held: ModulePrint | None = None
+    """Its fingerprint, row by row: a table one side holds cut to a run of the other's rows is the same weights
+    (:func:`~paritylab.tracing.structure.rows_of`)."""
 
     @classmethod
     def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
@@ -56,6 +59,7 @@ class _Features:
             inner=inner,
             numel=item.numel if item is not None else 0,
             own=item is not None and bool(item.numel) and _own_values(item) == item.numel,
+            held=item if item is not None and item.numel else None,
         )
 
     def contradicts(self, other: _Features) -> bool:
@@ -65,6 +69,8 @@ class _Features:
         around what the other computes plus more, such as a patch projection against a patch embedding that
         also adds position embeddings)."""
         if self.weights is None or other.weights is None or self.weights == other.weights:
+            return False
+        if self.cut(other):
             return False
         if self.numel != other.numel:
             return True
@@ -85,7 +91,7 @@ class _Features:
             return 0.0
         if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
             return 0.0
-        if self.weights is not None and self.weights == other.weights:
+        if self.weights is not None and (self.weights == other.weights or self.cut(other)):
             # the same weights: as strong as evidence gets (a group the weights alone could not order), strongest
             # between two modules that both compute with them directly, or both through a child
             return 1.0 if self.own == other.own else WRAPPER_SCORE
@@ -94,6 +100,13 @@ class _Features:
         if differ and (structure < MIN_STRUCTURE or self.contradicts(other)):
             return 0.0
         return MIN_AUTO_SCORE + (1 - MIN_AUTO_SCORE) * structure
+
+    def cut(self, other: _Features) -> bool:
+        """One side holds the other's weights with a table cut to a run of its rows (a position table without
+        its offset rows, a trimmed vocabulary)."""
+        if self.held is None or other.held is None or self.numel == other.numel:
+            return False
+        return rows_of(self.held, other.held) or rows_of(other.held, self.held)
 
     def structure(self, other: _Features) -> float:
         """Evidence from names alone: equal layer numbers, similar leaf names, shared tokens, same class."""
