@@ -15,7 +15,9 @@ That only holds where the weights are provably the same, so a module is judged t
   fingerprint (:mod:`paritylab.tracing.structure`: the same values, whatever the layout or fusion), and the
   candidate's parameters there are all in that precision, or kept wider with values a reference parameter
   provably holds (a norm kept in float32: its twin is then left unrounded in the lifted reference), or hold a
-  norm's scale minus one (``g = w - 1``: its twin then holds ``g + 1`` in the lifted reference);
+  norm's scale minus one (``g = w - 1``: its twin then holds ``g + 1`` in the lifted reference); or the
+  candidate's are the reference's with a table cut to a run of its rows (a position table without its offset
+  rows: :func:`~paritylab.tracing.structure.rows_of`);
 - its subtree holds no other floating-point tensor that rounding may have changed (integers, powers of two and
   mask fills survive any cast), unless the values prove what it held before: inverse frequencies that are the
   rounding of a reference buffer are restored; a table (rotary sin and cos by position) that is, column for
