@@ -225,7 +225,7 @@ def opt(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     ids = _ids(256)
     sites = {
         "embed": ("model.decoder.embed_tokens",),
-        "pos_embed": ("model.decoder.embed_positions",),  # the table without its 2 offset rows: no counterpart
+        "pos_embed": ("model.decoder.embed_positions",),  # the table without its 2 offset rows: a cut table
         "ln_final": ("model.decoder.final_layer_norm",),
         "unembed": ("lm_head",),
     }
@@ -237,10 +237,7 @@ def opt(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
             f"blocks.{i}.ln2": (f"{theirs}.final_layer_norm",),
             f"blocks.{i}.mlp": (f"{theirs}.fc2",),
         }
-    return PairCase(
-        "opt/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
-        unpaired=("pos_embed",),
-    )  # fmt: skip
+    return PairCase("opt/transformer-lens", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
 def gptj(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:

@@ -66,8 +66,9 @@ def _align_segments(
         rows = [i for i in range(r0 + 1, r1) if i not in skip_ref]
         cols = [j for j in range(c0 + 1, c1) if j not in skip_cand]
         for i, j, score in _dp(rows, cols, lambda i, j: feature(0, i).similarity(feature(1, j))):
-            weights = feature(0, i).weights
-            source = "structure" if weights is not None and weights == feature(1, j).weights else "auto"
+            ours, theirs = feature(0, i), feature(1, j)
+            same = ours.weights is not None and (ours.weights == theirs.weights or ours.cut(theirs))
+            source = "structure" if same else "auto"  # the same weights, or a table cut to a run of rows
             found[i] = Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))
     return found
 
