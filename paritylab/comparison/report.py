@@ -523,7 +523,7 @@ def _compare_pair(
     if ref_input_call is not ref_call:  # paired with the last of a run of modules: the run's first's input
         row.input_index = ref_input_call.index
     ref_in, cand_in = _primary_input(ref_input_call), _primary_input(cand_input_call)
-    if ref_in is not None and cand_in is not None and _kind(ref_in) != _kind(cand_in):
+    if ref_in is not None and cand_in is not None and _floating(ref_in) != _floating(cand_in):
         ref_in = cand_in = None  # token ids against a float mask: another input, not another value of one
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
@@ -871,7 +871,7 @@ def _node_at(call: CallRecord, slot: str | None) -> Node | None:
     return dict(iter_tensors(call.outputs, "outputs")).get(slot)
 
 
-def _kind(node: Node) -> bool:
+def _floating(node: Node) -> bool:
     """Whether a tensor node holds floating-point values (else integers or booleans)."""
     return str(node.get("dtype", "")).startswith(("float", "bfloat"))
 

@@ -28,7 +28,7 @@ from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weigh
 from paritylab.comparison.replay import fed_value, isolated_replay
 from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap
 from paritylab.comparison.verify import handing_on, hands_on_output
-from paritylab.run.resident import Slot, available_memory, converted_bytes, converted_copy
+from paritylab.run.resident import Slot, available_memory, converted_bytes, converted_copy, stored_ids
 from paritylab.run.widening import converted_in_place
 from paritylab.tracing.initial import caches_reset, reset_caches
 from paritylab.tracing.tracefile import Trace
@@ -70,7 +70,7 @@ def lift(
     needed = max(converted_bytes(model, LIFTED_DTYPE) for model in (reference, candidate))  # one copy at a time
     free = available_memory(next(candidate.parameters()).device)
     fits = free is None or needed <= LIFTED_MEMORY_SHARE * free
-    uncalled = (_uncalled(reference_trace), _uncalled(candidate_trace))
+    uncalled = (reference_trace.uncalled, candidate_trace.uncalled)
     traces, problem = _lifted_traces(
         reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, alignment, eligible,
         dtype, found, uncalled, directory, copies=False,
@@ -135,11 +135,11 @@ def _lifted_traces(
     traces: list[Trace] = []
 
     def lifted_reference_trace() -> Trace:
-        model, call = lifted_reference_side(reference, reference_call, dtype, candidate, found, copies, uncalled[0])
+        model, call = lifted_reference_side(reference, reference_call, dtype, found, copies, uncalled[0])
         return _traced(model, call, directory / "lifted-reference")
 
     def lifted_candidate_trace() -> Trace:
-        model, call = lifted_candidate_side(candidate, candidate_call, dtype, reference, found, copies, uncalled[1])
+        model, call = lifted_candidate_side(candidate, candidate_call, dtype, found, copies, uncalled[1])
         fed = _fed_leaves(traces[0], candidate_trace, alignment, eligible)
         return isolated_replay(
             model, call, traces[0], candidate_trace, alignment, directory / "lifted-candidate", fed=fed
@@ -169,10 +169,6 @@ def _narrowed(traces: list[Trace], dtype: torch.dtype) -> bool:
         for call in trace.calls
         for _, node in call.tensors("outputs")
     )
-
-
-def _uncalled(trace: Trace) -> list[str]:
-    return [str(path) for path in trace.meta.get("modules_not_called") or []]
 
 
 def _fed_leaves(
@@ -222,7 +218,6 @@ def lifted_reference_side(
     reference: nn.Module,
     call: Call,
     dtype: torch.dtype,
-    candidate: nn.Module | None,
     found: Twins | None,
     copy: bool,
     uncalled: Collection[str] = (),
@@ -230,8 +225,7 @@ def lifted_reference_side(
     """The lifted reference as a model and the call that runs it: :func:`lifted_reference`'s copy (``copy``), or
     the reference itself, each module's parameters rounded while it runs (:func:`lifted_reference_call`)."""
     if copy:
-        return lifted_reference(reference, dtype, candidate, found), widened(call, dtype)
-    found = found or (twins(reference, candidate, dtype) if candidate is not None else None)
+        return lifted_reference(reference, dtype, found=found), widened(call, dtype)
     return unwrap(reference), lifted_reference_call(call, dtype, found, uncalled)
 
 
@@ -239,7 +233,6 @@ def lifted_candidate_side(
     candidate: nn.Module,
     call: Call,
     dtype: torch.dtype,
-    reference: nn.Module | None,
     found: Twins | None,
     copy: bool,
     uncalled: Collection[str] = (),
@@ -247,9 +240,8 @@ def lifted_candidate_side(
     """The lifted candidate as a model and the call that runs it: :func:`lifted_candidate`'s copy (``copy``), or
     the candidate itself, each module's tensors widened while it runs (:func:`lifted_candidate_call`)."""
     if copy:
-        return lifted_candidate(candidate, dtype, reference, found), widened(call, dtype)
-    restored = (found or twins(reference, candidate, dtype)).restored if reference is not None else None
-    return unwrap(candidate), lifted_candidate_call(call, dtype, restored, uncalled)
+        return lifted_candidate(candidate, dtype, found=found), widened(call, dtype)
+    return unwrap(candidate), lifted_candidate_call(call, dtype, found.restored if found else None, uncalled)
 
 
 def lifted_reference_call(
@@ -263,7 +255,7 @@ def lifted_reference_call(
     given = found.given if found is not None else {}
 
     def run(model: nn.Module) -> Any:
-        stored = _stored(model)
+        stored = stored_ids(model)
 
         def convert(_: Slot, tensor: torch.Tensor) -> torch.Tensor | None:
             if id(tensor) not in stored:
@@ -301,7 +293,7 @@ def lifted_candidate_call(
     given = restored or {}
 
     def run(model: nn.Module) -> Any:
-        stored = _stored(model)
+        stored = stored_ids(model)
 
         def convert(_: Slot, tensor: torch.Tensor) -> torch.Tensor | None:
             if id(tensor) not in stored:
@@ -317,11 +309,6 @@ def lifted_candidate_call(
             return widened(call, dtype)(model)
 
     return run
-
-
-def _stored(model: nn.Module) -> set[int]:
-    """``id`` of every parameter and buffer ``model`` holds (what ``Module.to`` converts)."""
-    return {id(t) for t in (*model.parameters(), *model.buffers())}
 
 
 def _rounding(slots: frozenset[str], dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
@@ -347,8 +334,8 @@ def lifted_candidate(
     buffers a cast rounded that a ``reference`` buffer provably held before (:attr:`~paritylab.comparison.
     twins.Twins.restored`) holding those values again, and the attributes its traced runs cached put back as
     they were before them (:func:`~paritylab.tracing.initial.reset_caches`)."""
-    restored = (found or twins(reference, candidate, dtype)).restored if reference is not None else None
-    copy = converted_copy(unwrap(candidate), LIFTED_DTYPE, given=restored)
+    found = found or (twins(reference, candidate, dtype) if reference is not None else None)
+    copy = converted_copy(unwrap(candidate), LIFTED_DTYPE, given=found.restored if found else None)
     reset_caches(copy, unwrap(candidate))  # what its low-precision runs cached is made afresh, in float32
     return configured_wide(copy, dtype)
 

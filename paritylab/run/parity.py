@@ -104,7 +104,6 @@ def estimate_floors(
     exact = exact_side(reference, runner, reference_trace, directory)
     if low_trace is not None:
         return Floors(dtype, free_run_floor(exact, low_trace), from_candidate=True)
-    uncalled = [str(path) for path in reference_trace.meta.get("modules_not_called") or []]
 
     def measure(model: nn.Module, call: Call) -> Floors:
         low = trace_model(model, call, directory / "noise-low", capture=None)
@@ -115,7 +114,7 @@ def estimate_floors(
         return Floors(dtype, free_run_floor(exact, low), local_floors(reference_trace, replayed, alignment), replayed)
 
     try:  # no copy of the reference: each module's tensors cast while it runs
-        return measure(reference, cast_in_place(runner(dtype), dtype, uncalled))
+        return measure(reference, cast_in_place(runner(dtype), dtype, reference_trace.uncalled))
     except Exception:
         free = available_memory(next(reference.parameters()).device)
         if free is not None and converted_bytes(reference, dtype) > LIFTED_MEMORY_SHARE * free:
@@ -132,7 +131,6 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
     so (it reads a grandchild's dtype or weights) runs on a float64 copy when one fits in memory. Two float32
     programs that compute the same function in another order (a fused projection, another GPU kernel) differ by
     about this much. Raises what the widened forward raises."""
-    uncalled = reference_trace.meta.get("modules_not_called") or []
     wide = cast_call(call, torch.float64)
 
     def measure(model: nn.Module, run: Call) -> Floors:
@@ -145,7 +143,7 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
         return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
 
     def widened(model: nn.Module) -> Any:  # inside the tracer: it meets the weights themselves
-        with widened_in_place(model, torch.float64, uncalled, stand_in=True):  # no weight met in float32
+        with widened_in_place(model, torch.float64, reference_trace.uncalled, stand_in=True):  # none met in float32
             return wide(model)
 
     try:

@@ -99,6 +99,12 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t, _ in tensor_slots(model).values())
 
 
+def stored_ids(model: nn.Module) -> set[int]:
+    """``id`` of every parameter and buffer ``model`` holds: what ``Module.to`` converts (plain tensor attributes
+    it leaves as they are)."""
+    return {id(t) for t in (*model.parameters(), *model.buffers())}
+
+
 def converted_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """Bytes of ``model``'s parameters and buffers converted to ``dtype`` (``Module.to``: floating-point ones)."""
     tensors = [*model.parameters(), *model.buffers()]

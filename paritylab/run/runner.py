@@ -437,7 +437,7 @@ class _Session:
             self._compare_partial(side, error)
             raise
         trace = Trace.load(self.directory / side)
-        untraced = trace.meta.get("modules_not_called") or []
+        untraced = trace.uncalled
         if tracer.fullgraph:
             self.notes.append(f"{side}: compiled with fullgraph=True: traced eagerly, its one graph checked by output")
         elif tracer.compiled:
@@ -583,11 +583,10 @@ class _Session:
         if lifted is not None and first.local.get("lifted_diverged"):
             low = getattr(torch, lifted.dtype)
             made, copies = lifted.made_with, lifted.copies
-            uncalled = [trace.meta.get("modules_not_called") or [] for trace in (ref_trace, cand_trace)]
             (reference, ref_run), (candidate, cand_run) = (
-                lifted_reference_side(reference, ref_run, low, candidate, made, copies, uncalled[0]),
-                lifted_candidate_side(candidate, cand_run, low, reference, made, copies, uncalled[1]),
-            )  # fmt: skip
+                lifted_reference_side(reference, ref_run, low, made, copies, ref_trace.uncalled),
+                lifted_candidate_side(candidate, cand_run, low, made, copies, cand_trace.uncalled),
+            )
             forced_on = lifted.reference
             dtype, own = "float32", first.local.get("lifted_rel_l2", own)
             self.notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.run.resident import Slot, assign_slot, own_slots
+from paritylab.run.resident import Slot, assign_slot, own_slots, stored_ids
 from paritylab.tracing.initial import attributes_kept
 
 Convert = Callable[[Slot, torch.Tensor], torch.Tensor | None]
@@ -167,7 +167,7 @@ def cast_in_place(call: Call, dtype: torch.dtype, uncalled: Collection[str] = ()
     attributes the run sets (caches made in ``dtype``) are put back afterwards."""
 
     def run(model: nn.Module) -> Any:
-        stored = {id(t) for t in (*model.parameters(), *model.buffers())}
+        stored = stored_ids(model)
 
         def convert(_: Slot, tensor: torch.Tensor) -> torch.Tensor | None:
             if id(tensor) not in stored:

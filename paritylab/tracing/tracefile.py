@@ -135,6 +135,11 @@ class Trace:
         """Call keys in execution order."""
         return [call.key for call in self.calls]
 
+    @property
+    def uncalled(self) -> list[str]:
+        """Paths of the traced model's modules that were never called (their weights may still be read)."""
+        return [str(path) for path in self.meta.get("modules_not_called") or []]
+
     def call(self, key: str) -> CallRecord:
         """The call with this key (``path#n``)."""
         index = self.__dict__.get("_by_key")
