@@ -23,6 +23,9 @@ That only holds where the weights are provably the same, so a module is judged t
   rounding of a reference buffer are restored; a table (rotary sin and cos by position) that is, column for
   column, the rounding of one the reference holds or computes has the lifted reference round its own the same
   way, as the low-precision reference does (:func:`~paritylab.comparison.twins.rounded_tables`);
+- or the pair is the weight ledger's (:mod:`paritylab.comparison.weights`: the candidate holds the reference's
+  weights with a defect beyond rounding, a scaled weight, a changed element): lifted, each side computes with its
+  own weights, and what differs is that defect's effect, which bfloat16's rounding would hide;
 - for a fused module paired by parts (one qkv against q, k and v) or a module paired with a run of modules
   (an MLP against its two projections), the same holds for the fused module against all its parts' pairs,
   or for the module against the whole run;
@@ -241,6 +244,9 @@ def same_weights(
             _holders(pair, alignment, candidate_trace, "candidate"),
         )
         if any(call.path in unsafe for call in cand_calls):
+            continue
+        if pair.source == "weights":  # the weight ledger's near pair: lifted, its weights' own effect is measured
+            eligible.add(pair.reference)
             continue
         sums = [_weights(side, calls) for side, calls in zip(prints, (ref_calls, cand_calls), strict=True)]
         if (sums[0] is not None and sums[0] == sums[1]) or _rows_of(prints, ref_calls, cand_calls):

@@ -5,8 +5,9 @@ A row compares one output slot per side (the first tensor, or the one data flow 
 pass unseen. Here every other leaf of a compared call's output (tensors, and ints, bools and floats) is paired
 with the candidate's and judged:
 
+- **same key**: the same dict key or dataclass field path on both sides (any compared call), first: a name is a
+  promise, so two named outputs swapped fail where data flow alone would pair each with the other's value;
 - **data flow**: the candidate's leaf was made by the partner of the call that made the reference's;
-- **same key**: the same dict key or dataclass field path on both sides (any compared call);
 - **same position**: the same tuple position with shapes that fit (the model's own outputs only: inside a
   model, two implementations may return different auxiliaries at one position).
 
@@ -134,18 +135,23 @@ def _counterpart(
     partner: Mapping[int, int],
     positional: bool,
 ) -> tuple[str | None, str]:
+    other = cand.get(slot)
+    fits = other is not None and other.get("t") == node.get("t")
+    if fits and other is not None and node.get("t") == "tensor":
+        fits = _numel(node["shape"]) == _numel(other["shape"])
+    if fits and named_slot(slot):  # a named output is what its name says, wherever data flow finds its value
+        return slot, "same key"
     origin = node.get("from")
     if isinstance(origin, int) and origin in partner and made_by.get(partner[origin]) in cand:
         return made_by[partner[origin]], "data flow"
-    other = cand.get(slot)
-    if other is None or other.get("t") != node.get("t"):
-        return None, ""
-    if node.get("t") == "tensor" and _numel(node["shape"]) != _numel(other["shape"]):
-        return None, ""
-    named = any(not part.lstrip("-").isdigit() for part in slot.split(".")[1:])
-    if named:
-        return slot, "same key"
-    return (slot, "same position") if positional else (None, "")
+    return (slot, "same position") if fits and positional else (None, "")
+
+
+def named_slot(slot: str | None) -> bool:
+    """A slot reached through a dict key or a dataclass field (``outputs.logits``), not positions alone: the two sides
+    returning the same name promise the same value under it, and a candidate handing another value there (two
+    named outputs swapped) is wrong however its values were made."""
+    return slot is not None and any(not part.lstrip("-").isdigit() for part in slot.split(".")[1:])
 
 
 def _judged(slot: str, node: Node, target: str, other: Node, how: str, judge: Judge) -> OutputCheck:

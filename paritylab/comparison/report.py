@@ -34,7 +34,7 @@ from paritylab.comparison.alignment import (
     transposed,
 )
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
-from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck, check_outputs
+from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck, check_outputs, named_slot
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
@@ -272,6 +272,7 @@ class Report:
             "output_max_abs": output.metrics.get("max_abs") if output else None,
             "unmatched_reference": len(self.alignment.unmatched_reference),
             "unmatched_candidate": len(self.alignment.unmatched_candidate),
+            "weights_differing": len(self.alignment.weights.differing),
             "first_nonfinite": self.first_nonfinite,
             "inputs_changed": self.inputs_changed,
             "buffers_changed": self.buffers_changed,
@@ -285,6 +286,7 @@ class Report:
             "drilldown": self.drilldown,
             "whole_graph": self.whole_graph,
             "unmatched_candidate": self.alignment.unmatched_candidate,
+            "weights": self.alignment.weights.to_json(),
         }
 
 
@@ -580,6 +582,10 @@ def _dataflow_slots(
     produced = {item["from"]: slot for slot, item in iter_tensors(cand_call.outputs, "outputs") if "from" in item}
     if not produced:
         return ref_slot, cand_slot
+    if ref_slot == cand_slot and named_slot(ref_slot):  # the same name on both sides: what it names is compared
+        ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+        if ref_node is not None and cand_node is not None and shapes_fit(ref_node["shape"], cand_node["shape"]):
+            return ref_slot, cand_slot
 
     def counterpart(slot: str | None) -> str | None:
         node = _node_at(ref_call, slot)
@@ -732,14 +738,15 @@ _JUDGED = ("compared", "stats-only", "shape-mismatch", "error")
 def _localise(rows: list[Row], reference: Trace) -> list[Row]:
     """Mark each diverging row as origin / contains-origin / inherited; return the origins in order.
 
-    A start is a diverging row whose input agrees. A diverging row whose input diverged, when that input
+    A start is a diverging row whose input agrees, or whose input is unknown and whose weights the weight ledger
+    found to differ from its counterpart's (:func:`_own_weights`). A diverging row whose input diverged, when that input
     was produced by a module with no counterpart whose own input agrees, makes that unmatched module the
     start: divergence begins inside the unmatched stretch. Rows whose input state is unknown are starts
     only when nothing else explains the divergence. An origin is a start with no start among its
     descendants.
     """
     by_index = {row.index: row for row in rows}
-    starts = [row for row in rows if row.diverged and row.input_known and not row.input_diverged]
+    starts = [row for row in rows if row.diverged and not row.input_diverged and (row.input_known or _own_weights(row))]
     for row in rows:
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
@@ -781,6 +788,13 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
         else:
             row.cause = "inherited"
     return sorted(origins, key=lambda row: row.index)
+
+
+def _own_weights(row: Row) -> bool:
+    """The row's pair is the weight ledger's: its module computes with weights that are not the reference's, which
+    explains its divergence whatever its input (a rotary table built from a wrong base, fed positions its
+    counterpart is not)."""
+    return row.source == "weights"
 
 
 def unmatched_feeding(row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]) -> Row | None:

@@ -8,8 +8,9 @@ import json
 import math
 from typing import Any
 
-from paritylab.comparison.metrics import within
+from paritylab.comparison.metrics import stats_within, within
 from paritylab.comparison.report import Report, Row
+from paritylab.comparison.weights import WeightFinding
 from paritylab.tracing.tracefile import display_path, json_safe, printable
 
 _COLUMNS = ("#", "module", "candidate", "status", "verdict", "cause", "rel_l2", "max_abs", "cosine", "input_rel")
@@ -107,13 +108,48 @@ def _verdict_line(report: Report) -> str:
         if first.local.get("changed_after_rel_l2"):  # by a hook point, in the float32 replay only
             error = f"changed after it by rel_l2 {fmt(first.local['changed_after_rel_l2'])} in float32"
     failed_output = next((check for check in (first.outputs if first else []) if check.verdict == "fail"), None)
-    if failed_output is not None and first is not None and first.metrics and within(first.metrics):
+    if failed_output is not None and first is not None and _primary_agrees(first):
         error = failed_output.describe()  # its compared output agrees: say which output does not
     why = f": {report.culprit_reason}" if report.culprit_reason else ""
+    held = weights_at(report, first)
+    if held:  # the weight ledger saw why: the module computes with weights that are not the reference's
+        why += f"; its weights differ: {held[0].line()}"
     return (
         f"FAIL: divergence starts at {where} ({error}){why}; "
         f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
     )
+
+
+def _primary_agrees(row: Row) -> bool:
+    """The row's own compared output agrees (judged on values, or on statistics where no tensors were kept)."""
+    if not row.metrics:
+        return False
+    if row.status == "stats-only":
+        return row.tolerance is not None and stats_within(row.metrics, row.tolerance)
+    return "frac_outside" in row.metrics and within(row.metrics)
+
+
+def weights_at(report: Report, row: Row | None) -> list[WeightFinding]:
+    """The weight ledger's findings at a row's two modules (differing values first, then layouts)."""
+    if row is None:
+        return []
+    paths = [row.path]
+    if row.candidate is not None:
+        paths.append(row.candidate.key.rsplit("#", 1)[0])
+    found = report.alignment.weights.at(*paths)
+    return sorted(found, key=lambda finding: finding.kind != "differs")
+
+
+def weights_lines(report: Report, limit: int = 5) -> list[str]:
+    """The candidate tensors that hold a reference tensor with a defect (one line each, ``limit`` at most)."""
+    differing = report.alignment.weights.differing
+    if not differing:
+        return []
+    lines = [f"weights: {len(differing)} candidate tensors differ from the reference's (weight ledger)"]
+    lines += [f"  {printable(finding.line())}" for finding in differing[:limit]]
+    if len(differing) > limit:
+        lines.append(f"  ... and {len(differing) - limit} more (report/report.json: weights)")
+    return lines
 
 
 def to_console(report: Report, limit: int | None = 60) -> str:
@@ -126,6 +162,7 @@ def to_console(report: Report, limit: int | None = 60) -> str:
     lines = [_table([_cells(row) for row in rows])]
     unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
     lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
+    lines.extend(weights_lines(report))
     lines.append(headline(report))
     inside = operation_line(report)
     if inside:

@@ -44,6 +44,20 @@ class ParamPrint:
     side holding ``w`` is the one shifted, so a bfloat16 ``g`` (rounded after the subtraction) hashes alike; on the
     float16 grid the subtraction comes before the rounding to float16 too (``round(w) - 1`` is on a coarser grid
     than ``round(w - 1)`` near one: 45 % of a norm's elements (w = 1 + 0.1 N(0, 1)) hash differently)."""
+    sketch: bytes = b""
+    """How near two tensors' values are where their hashes differ (:mod:`paritylab.comparison.weights`): the float32
+    sums of each row, then of each column, of the values viewed as ``(shape[0], -1)`` (a 1-D tensor: its values),
+    then the L2 norm. A weight scaled by 1.01 has every sum scaled by 1.01; another weight of the same shape has
+    sums of another draw. Empty where either axis is longer than :data:`MAX_AXIS`."""
+
+    @property
+    def sums(self) -> tuple[numpy.ndarray, numpy.ndarray, float] | None:
+        """The row sums, the column sums and the L2 norm kept in :attr:`sketch`, or ``None``."""
+        if not self.sketch:
+            return None
+        values = numpy.frombuffer(self.sketch, dtype="<f4").astype(numpy.float64)
+        rows = self.shape[0] if self.shape else 1
+        return values[:rows], values[rows:-1], float(values[-1])
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -60,6 +74,8 @@ class ParamPrint:
         if self.row_bytes:
             data["rows"] = base64.b64encode(self.row_bytes).decode("ascii")
             data["cols"] = base64.b64encode(self.col_bytes).decode("ascii")
+        if self.sketch:
+            data["sketch"] = base64.b64encode(self.sketch).decode("ascii")
         return data
 
     @classmethod
@@ -69,7 +85,34 @@ class ParamPrint:
         if rows and (len(shape) != 2 or len(rows) != 8 * shape[0] or len(cols) != 8 * shape[1]):
             raise ValueError(f"row/column hashes of {data.get('name')!r} do not fit its shape {shape}")
         shifted = int(data.get("shifted", 0)) & MASK
-        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted)
+        sketch = base64.b64decode(data.get("sketch", ""), validate=True)
+        if sketch and len(sketch) != 4 * (_sketch_length(shape) or -1):
+            raise ValueError(f"the value sketch of {data.get('name')!r} does not fit its shape {shape}")
+        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted, sketch)
+
+
+def _sketch_length(shape: tuple[int, ...]) -> int | None:
+    """How many float32 values a tensor of ``shape`` keeps in its :attr:`ParamPrint.sketch` (``None``: none)."""
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape[1:]) if len(shape) > 1 else 0
+    if max(rows, cols) > MAX_AXIS:
+        return None
+    return rows + cols + 1
+
+
+def sketch_of(values: torch.Tensor) -> bytes:
+    """:attr:`ParamPrint.sketch` of a tensor (empty where an axis is too long to keep)."""
+    shape = tuple(values.shape)
+    if _sketch_length(shape) is None:
+        return b""
+    wide = values.detach().to(torch.float32)
+    if wide.dim() <= 1:
+        parts = [wide.reshape(-1)]
+    else:
+        square = wide.reshape(shape[0], -1)
+        parts = [square.sum(dim=1), square.sum(dim=0)]
+    parts.append(torch.linalg.vector_norm(wide).reshape(1))
+    return torch.cat(parts).cpu().numpy().astype("<f4", copy=False).tobytes()
 
 
 def _unpack(raw: bytes) -> tuple[int, ...]:
@@ -84,6 +127,9 @@ class ModulePrint:
     digest: int
     numel: int
     params: tuple[ParamPrint, ...] = field(default=())
+    buffers: tuple[ParamPrint, ...] = field(default=())
+    """Its own floating-point buffers (rotary frequencies, sinusoid tables): evidence for the weight ledger, never
+    part of :attr:`digest`."""
 
     @property
     def shifted(self) -> int:
@@ -98,12 +144,15 @@ class ModulePrint:
         data: dict[str, Any] = {"path": self.path, "digest": self.digest, "numel": self.numel}
         if self.params:
             data["params"] = [param.to_json() for param in self.params]
+        if self.buffers:
+            data["buffers"] = [buffer.to_json() for buffer in self.buffers]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModulePrint:
         params = tuple(ParamPrint.from_json(p) for p in data.get("params", ()))
-        return cls(str(data["path"]), int(data["digest"]) & MASK, int(data["numel"]), params)
+        buffers = tuple(ParamPrint.from_json(b) for b in data.get("buffers", ()))
+        return cls(str(data["path"]), int(data["digest"]) & MASK, int(data["numel"]), params, buffers)
 
 
 GRIDS = ("bf16", "fp16")
@@ -115,6 +164,7 @@ def fingerprint(model: nn.Module, grid: str = "bf16") -> dict[str, ModulePrint]:
     """Module path -> fingerprint, for every module of ``model`` (computed without autograd)."""
     digests: dict[int, int] = {}
     direct: dict[str, tuple[ParamPrint, ...]] = {}
+    buffers: dict[str, tuple[ParamPrint, ...]] = {}
     with torch.no_grad():
         for path, module in model.named_modules():
             prints = []
@@ -125,6 +175,11 @@ def fingerprint(model: nn.Module, grid: str = "bf16") -> dict[str, ModulePrint]:
                 digests.setdefault(id(param), summary.digest)
                 prints.append(summary)
             direct[path] = tuple(prints)
+            buffers[path] = tuple(
+                _param_print(name, buffer, grid)
+                for name, buffer in module.named_buffers(recurse=False)
+                if buffer is not None and buffer.is_floating_point() and buffer.device.type != "meta" and buffer.numel()
+            )
     result: dict[str, ModulePrint] = {}
     for path, module in model.named_modules():
         total, numel = 0, 0
@@ -134,7 +189,7 @@ def fingerprint(model: nn.Module, grid: str = "bf16") -> dict[str, ModulePrint]:
                 continue
             total = (total + digest) & MASK
             numel += param.numel()
-        result[path] = ModulePrint(path, total if numel else 0, numel, direct[path])
+        result[path] = ModulePrint(path, total if numel else 0, numel, direct[path], buffers[path])
     return result
 
 
@@ -151,7 +206,8 @@ _models: dict[tuple[int, str], _ModelEntry] = {}
 def fingerprint_json(model: nn.Module, grid: str = "bf16") -> list[dict[str, Any]]:
     """:func:`fingerprint` as JSON-ready entries, reused while every parameter of ``model`` is the same
     tensor with the same version and storage (tracing one model again costs microseconds here)."""
-    key = tuple((id(p), getattr(p, "_version", -1), p.data_ptr() if p.numel() else 0) for p in model.parameters())
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point() and b.device.type != "meta")]
+    key = tuple((id(p), getattr(p, "_version", -1), p.data_ptr() if p.numel() else 0) for p in tensors)
     ident = (id(model), grid)
     cached = _models.get(ident)
     if cached is not None and cached[0]() is model and cached[1] == key and -1 not in (k[1] for k in key):
@@ -190,7 +246,8 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
         if values.dtype != wide.dtype:
             minus_one = minus_one.to(values.dtype)
         shifted = int(element_hashes(minus_one).sum(dtype=torch.int64)) & MASK
-    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted)
+    sketch = b"" if param.is_complex() else sketch_of(wide)
+    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted, sketch)
     if version != -1:
         key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)

@@ -16,6 +16,7 @@ from paritylab.comparison.alignment._runs import _by_runs
 from paritylab.comparison.alignment._sequence import _align_segments, _monotone_chain
 from paritylab.comparison.alignment._shapes import _primary_input
 from paritylab.comparison.alignment._weight_reads import _read_prints
+from paritylab.comparison.weights import WeightLedger, weight_ledger
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord, Trace
 
@@ -47,6 +48,7 @@ def _propose(state: _Pairing, rules: list[Rule], *, pinned: bool) -> None:
     state.open_ref = state.left_by_rules()
     if state.structured:
         _pair_by_fingerprints(state)
+        _pair_by_near_weights(state)
     _pair_by_paths(state)
     if state.structured:
         _pair_by_parts(state)
@@ -79,6 +81,8 @@ class _Pairing:
     """Reference calls no stage has paired yet (from the rules on)."""
     automatic: dict[int, Pair] = field(default_factory=dict)
     """Pairs from order and structure: the ordered pass between anchors, then the rescue."""
+    weights: WeightLedger = field(default_factory=WeightLedger)
+    """Every candidate tensor against the reference's: near weights pair their modules."""
 
     @classmethod
     def of(cls, reference: Trace, candidate: Trace) -> _Pairing:
@@ -88,6 +92,7 @@ class _Pairing:
         ref_keys = {call.key for call in ref_calls}
         cand_position = {call.key: position for position, call in enumerate(cand_calls)}
         ref_prints, cand_prints = _read_prints(reference, candidate)
+        ledger = weight_ledger(ref_prints, cand_prints) if ref_prints and cand_prints else WeightLedger()
         return cls(
             ref_calls,
             cand_calls,
@@ -99,6 +104,7 @@ class _Pairing:
             ref_prints,
             cand_prints,
             taken=set(folded_cand),
+            weights=ledger,
         )
 
     @property
@@ -139,6 +145,7 @@ class _Pairing:
             self.folded_cand,
             lost,
             self.automatic,
+            self.weights,
         )
 
 
@@ -184,6 +191,26 @@ def _pair_by_fingerprints(state: _Pairing) -> None:
         ):  # fmt: skip
             state.fix(i, j, pair)
         state.close()
+
+
+def _pair_by_near_weights(state: _Pairing) -> None:
+    """Modules whose weights are the reference's with a defect (:attr:`WeightLedger.module_pairs`): a weight scaled,
+    an element changed, a table built from a wrong constant. The bug a module's weights carry must not cost it its
+    pair, whatever its code is called; the calls of the two modules are paired in order."""
+    if not state.weights.module_pairs:
+        return
+    ref_calls_of: dict[str, list[int]] = {}
+    for i in state.open_ref:
+        ref_calls_of.setdefault(state.ref_calls[i].path, []).append(i)
+    cand_calls_of: dict[str, list[int]] = {}
+    for j, call in enumerate(state.cand_calls):
+        if j not in state.taken:
+            cand_calls_of.setdefault(call.path, []).append(j)
+    for ref_path, cand_path in state.weights.module_pairs.items():
+        for i, j in zip(ref_calls_of.get(ref_path, ()), cand_calls_of.get(cand_path, ()), strict=False):
+            ref, cand = state.ref_calls[i], state.cand_calls[j]
+            state.fix(i, j, Pair(ref.key, cand.key, "weights", 1.0))
+    state.close()
 
 
 def _pair_by_paths(state: _Pairing) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from paritylab.comparison.alignment._generalise import _generalise, _path, _unique_paths
 from paritylab.comparison.alignment._pairs import Pair
 from paritylab.comparison.alignment._rules import Rule
+from paritylab.comparison.weights import WeightLedger
 from paritylab.tracing.tracefile import CallRecord
 
 
@@ -25,6 +26,8 @@ class Alignment:
     """Calls that return their own input (hook points, ``nn.Identity``, eval dropout): shown, never paired."""
     lost: list[str] = field(default_factory=list)
     """Reference calls a rule (or a pinned alignment) pairs with a candidate call that does not exist."""
+    weights: WeightLedger = field(default_factory=WeightLedger)
+    """Every candidate parameter and buffer against the reference's (:mod:`paritylab.comparison.weights`)."""
 
     def by_reference(self) -> dict[str, Pair]:
         return {pair.reference: pair for pair in self.pairs}
@@ -53,6 +56,7 @@ def _alignment(
     folded_cand: set[int],
     lost: list[str],
     automatic: dict[int, Pair] | None = None,
+    weights: WeightLedger | None = None,
 ) -> Alignment:
     pairs_by_ref = {r: pair for r, (_, pair) in fixed.items()} | (automatic or {})
     pairs = [pairs_by_ref[i] for i in sorted(pairs_by_ref)]
@@ -71,4 +75,5 @@ def _alignment(
         folded_reference=[ref_calls[i].key for i in sorted(folded_ref)],
         folded_candidate=[cand_calls[j].key for j in sorted(folded_cand)],
         lost=lost,
+        weights=weights or WeightLedger(),
     )

@@ -1,0 +1,241 @@
+"""Bugs that live in the weights: a conversion that scales, changes one element, transposes or reorders a weight, a
+table built from a wrong constant. The weight ledger names the tensor and what differs, the module holding it keeps
+its pair whatever its code is called, and the run names that module in fp32 and under bf16's rounding."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paritylab.comparison.report import compare_traces
+from paritylab.comparison.weights import weight_ledger
+from paritylab.reports.render import headline
+from paritylab.run.parity import check, trace_model
+from paritylab.tracing.structure import ModulePrint, fingerprint
+
+
+def reference_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+class HandWritten(nn.Module):
+    """The same MLP written by hand: other attribute names, ``F.gelu`` (no module for the activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in, self.fc_mid, self.fc_out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_mid(F.gelu(self.fc_in(x)))))
+
+
+def ported(reference: nn.Sequential, plant: str = "") -> HandWritten:
+    port = HandWritten()
+    with torch.no_grad():
+        for mine, theirs in ((port.fc_in, reference[0]), (port.fc_mid, reference[2]), (port.fc_out, reference[4])):
+            mine.weight.copy_(theirs.weight)
+            mine.bias.copy_(theirs.bias)
+        if plant == "element":
+            port.fc_mid.weight[3, 5] *= 1.01
+        elif plant == "scaled":
+            port.fc_mid.weight *= 1.01
+        elif plant == "transposed":
+            port.fc_mid.weight.copy_(port.fc_mid.weight.T.clone())
+        elif plant == "bias":
+            port.fc_in.bias *= 1.01
+    return port
+
+
+def run(reference: nn.Module, candidate: nn.Module, tmp_path, dtype: torch.dtype = torch.float32):
+    candidate = candidate.to(dtype)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    return check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("plant", "origin", "says"),
+    [
+        ("element", "2", "fc_mid.weight differs from the reference's 2.weight: 1 of 1024 elements, at [3, 5]"),
+        ("scaled", "2", "fc_mid.weight differs from the reference's 2.weight: every row and column of 1024 elements, "
+                        "scaled by 1.01"),
+        ("bias", "0", "fc_in.bias differs from the reference's 0.bias: scaled by 1.01"),
+        ("transposed", "2", "fc_mid.weight holds the reference's 2.weight: the same values, transposed"),
+    ],
+)  # fmt: skip
+def test_a_weight_bug_in_a_hand_written_port_is_named_at_its_module(tmp_path, plant, origin, says, dtype):
+    reference = reference_mlp()
+    result = run(reference, ported(reference, plant), tmp_path, dtype)
+    report = result.report
+    assert report.verdict == "fail"
+    assert report.first_divergence is not None and report.first_divergence.path == origin
+    line = headline(report)
+    assert f"divergence starts at {origin} " in line
+    assert "its weights differ: " + says in line
+    pair = report.alignment.by_reference()[f"{origin}#0"]
+    assert pair.candidate.startswith({"0": "fc_in", "2": "fc_mid"}[origin])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_clean_hand_written_port_passes_with_every_weight_matched(tmp_path, dtype):
+    reference = reference_mlp()
+    result = run(reference, ported(reference), tmp_path, dtype)
+    assert result.report.verdict == "pass", headline(result.report)
+    ledger = result.report.alignment.weights
+    assert ledger.matched == 6 and ledger.findings == [] and ledger.unmatched == []
+    assert result.report.summary()["weights_differing"] == 0
+
+
+def test_the_ledger_measures_an_element_and_a_scale_from_the_fingerprints_alone():
+    reference = reference_mlp()
+    port = ported(reference, "element")
+    ledger = weight_ledger(fingerprint(reference), fingerprint(port))
+    (finding,) = ledger.differing
+    assert (finding.candidate, finding.reference) == ("fc_mid.weight", "2.weight")
+    expected = 0.01 * abs(reference[2].weight[3, 5].item()) / reference[2].weight.norm().item()
+    assert finding.rel_l2 == pytest.approx(expected, rel=1e-3)
+    assert ledger.module_pairs == {"2": "fc_mid"}
+    assert ledger.matched == 5
+
+
+def test_fused_halves_swapped_are_named_as_rows_in_another_order():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 64))
+    candidate = nn.Sequential(nn.Linear(8, 64))
+    with torch.no_grad():
+        candidate[0].weight.copy_(torch.cat([reference[0].weight[32:], reference[0].weight[:32]]))
+        candidate[0].bias.copy_(reference[0].bias)
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    (layout,) = ledger.findings
+    assert layout.kind == "layout" and layout.candidate == "0.weight"
+    assert layout.detail == (
+        "the same rows in another order: rows 0-31 hold the reference's rows 32-63, "
+        "rows 32-63 hold the reference's rows 0-31"
+    )
+
+
+def test_value_sketches_survive_the_trace_file(tmp_path):
+    reference = reference_mlp()
+    port = ported(reference, "scaled")
+    x = torch.randn(2, 16)
+    traces = [trace_model(model, lambda m: m(x), tmp_path / name) for model, name in ((reference, "r"), (port, "c"))]
+    report = compare_traces(*traces)
+    (finding,) = report.alignment.weights.differing
+    assert finding.rel_l2 == pytest.approx(0.01, rel=1e-3)
+    item = ModulePrint.from_json(fingerprint(port)["fc_mid"].to_json())
+    sums = item.params[0].sums
+    assert sums is not None
+    assert sums[0] == pytest.approx(port.fc_mid.weight.sum(dim=1).tolist(), rel=1e-5)
+    assert sums[2] == pytest.approx(port.fc_mid.weight.norm().item(), rel=1e-6)
+
+
+class Rotary(nn.Module):
+    """Rotary frequencies as a buffer, applied to a query."""
+
+    def __init__(self, dim: int, base: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, base: float, rotary_name: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        setattr(self, rotary_name, Rotary(dim, base))
+        self.rotary_name = rotary_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = getattr(self, self.rotary_name)(torch.arange(x.shape[0]))
+        return self.proj(x) * table.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rotary_table_from_a_wrong_base_is_never_a_pass(tmp_path, dtype):
+    torch.manual_seed(0)
+    reference = Attention(32, 10000.0, "rotary_emb")
+    candidate = Attention(32, 500000.0, "rope")
+    candidate.proj.load_state_dict(reference.proj.state_dict())
+    x = torch.randn(6, 32)
+    candidate = candidate.to(dtype)
+    result = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype)))
+    report = result.report
+    assert report.verdict == "fail"
+    assert report.first_divergence is not None and report.first_divergence.path == "rotary_emb"
+    (finding,) = report.alignment.weights.differing
+    assert (finding.candidate, finding.reference) == ("rope.inv_freq", "rotary_emb.inv_freq")
+    built = re.search(r"built from base ([0-9.e+]+) against ([0-9.e+]+)", finding.detail)
+    assert built is not None, finding.detail
+    assert float(built.group(1)) == pytest.approx(500000, rel=0.02)
+    assert float(built.group(2)) == pytest.approx(10000, rel=0.02)
+
+
+def test_a_rotary_table_from_the_same_base_passes_in_bf16(tmp_path):
+    torch.manual_seed(0)
+    reference = Attention(32, 10000.0, "rotary_emb")
+    candidate = Attention(32, 10000.0, "rope")
+    candidate.proj.load_state_dict(reference.proj.state_dict())
+    x = torch.randn(6, 32)
+    candidate = candidate.to(torch.bfloat16)
+    result = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype)))
+    assert result.report.verdict == "pass", headline(result.report)
+    assert result.report.alignment.weights.differing == []
+
+
+class Named(nn.Module):
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.swap = nn.Linear(8, 8), nn.Linear(8, 8), swap
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.a(x)
+        logits = self.b(torch.tanh(hidden))
+        return {"logits": hidden, "hidden": logits} if self.swap else {"logits": logits, "hidden": hidden}
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["same", "swapped"])
+def test_named_outputs_are_compared_by_name(tmp_path, swap):
+    torch.manual_seed(0)
+    reference, candidate = Named(), Named(swap)
+    candidate.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 8)
+    report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x)).report
+    root = report.rows[0]
+    assert (root.reference.slot, root.candidate.slot if root.candidate else None) == ("outputs.logits",) * 2
+    (other,) = root.outputs
+    assert (other.reference, other.candidate, other.how) == ("outputs.hidden", "outputs.hidden", "same key")
+    assert report.verdict == ("fail" if swap else "pass")
+    assert other.verdict == ("fail" if swap else "pass")
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        self.a, self.offset = nn.Linear(8, 8), offset
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.a(x)
+        return hidden, hidden * 2 + self.offset
+
+
+@pytest.mark.parametrize("options", [{"max_bytes": 0}, {"save_tensors": False}], ids=["max_bytes=0", "no-tensors"])
+def test_a_wrong_second_output_without_stored_tensors_is_a_fail_not_a_crash(tmp_path, options):
+    torch.manual_seed(0)
+    reference, candidate = TwoOutputs(), TwoOutputs(0.5)
+    candidate.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 8)
+    traces = [
+        trace_model(model, lambda m: m(x), tmp_path / name, **options)
+        for model, name in ((reference, "r"), (candidate, "c"))
+    ]
+    report = compare_traces(*traces)
+    assert report.verdict == "fail"
+    assert headline(report).startswith("FAIL: divergence starts at <root> (outputs.1 differs (judged on stats))")
