@@ -239,3 +239,122 @@ def test_a_wrong_second_output_without_stored_tensors_is_a_fail_not_a_crash(tmp_
     report = compare_traces(*traces)
     assert report.verdict == "fail"
     assert headline(report).startswith("FAIL: divergence starts at <root> (outputs.1 differs (judged on stats))")
+
+
+class Encoder(nn.Module):
+    """A position table its own code reads (never called), as Whisper's encoder reads ``embed_positions.weight``."""
+
+    def __init__(self, names: tuple[str, str, str, str]) -> None:
+        super().__init__()
+        self.names = names
+        projection, table, norm, head = names
+        setattr(self, projection, nn.Linear(8, 16))
+        setattr(self, table, nn.Embedding(5, 16))
+        setattr(self, norm, nn.LayerNorm(16))
+        setattr(self, head, nn.Linear(16, 16))
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        projection, table, norm, head = (getattr(self, name) for name in self.names)
+        hidden = projection(features) + table.weight[: features.shape[1]]
+        return head(norm(hidden))
+
+
+class Speech(nn.Module):
+    def __init__(self, names: tuple[str, str, str, str]) -> None:
+        super().__init__()
+        self.encoder, self.proj_out = Encoder(names), nn.Linear(16, 4)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.proj_out(self.encoder(features, mask))
+
+
+def speech_pair(scale: float) -> tuple[Speech, Speech]:
+    torch.manual_seed(0)
+    reference = Speech(("conv", "embed_positions", "ln", "fc"))
+    candidate = Speech(("proj", "pos", "norm", "mlp"))
+    renames = {".conv.": ".proj.", ".embed_positions.": ".pos.", ".ln.": ".norm.", ".fc.": ".mlp."}
+    state = {}
+    for key, value in reference.state_dict().items():
+        for old, new in renames.items():
+            key = key.replace(old, new)
+        state[key] = value
+    candidate.load_state_dict(state)
+    with torch.no_grad():
+        candidate.encoder.pos.weight.mul_(scale)
+    return reference, candidate
+
+
+@pytest.mark.parametrize("order", ["features-first", "mask-first"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_table_read_by_its_containers_code_is_named_at_the_tables_module(tmp_path, dtype, order):
+    reference, candidate = speech_pair(1.01)
+    candidate = candidate.to(dtype)
+    features, mask = torch.randn(2, 5, 8), torch.ones(2, 5)
+
+    def call(model: nn.Module) -> torch.Tensor:
+        low = features.to(next(model.parameters()).dtype)
+        return model(mask=mask, features=low) if order == "mask-first" else model(features=low, mask=mask)
+
+    report = check(reference, candidate, tmp_path, reference_call=call).report
+    assert report.verdict == "fail"
+    assert report.summary()["first_divergence"] == "encoder.embed_positions"
+    line = headline(report)
+    assert line.startswith("FAIL: divergence starts at encoder.embed_positions ")
+    assert "encoder.pos.weight differs from the reference's encoder.embed_positions.weight" in line
+    assert "encoder's own code reads it" in line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_table_read_by_its_containers_code_passes_clean(tmp_path, dtype):
+    reference, candidate = speech_pair(1.0)
+    candidate = candidate.to(dtype)
+    features = torch.randn(2, 5, 8)
+    report = check(
+        reference, candidate, tmp_path, reference_call=lambda m: m(features.to(next(m.parameters()).dtype))
+    ).report
+    assert report.verdict == "pass", headline(report)
+    assert report.weight_origin is None
+
+
+class SideComputation(nn.Module):
+    """The reference computes ``aux`` and keeps it aside (nothing returned reads it); the candidate never calls it."""
+
+    def __init__(self, candidate: bool = False) -> None:
+        super().__init__()
+        self.a, self.aux, self.candidate, self.kept = nn.Linear(8, 8), nn.Linear(8, 8), candidate, {}
+
+    def forward(self, x: torch.Tensor) -> dict[str, int]:
+        hidden = self.a(x)
+        if not self.candidate:
+            self.kept["aux"] = self.aux(hidden)
+        return {"n": 3}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.01], ids=["same-weights", "differing-weights"])
+def test_every_reference_call_is_accounted_for_and_an_unchecked_difference_is_never_a_pass(tmp_path, scale):
+    torch.manual_seed(0)
+    reference, candidate = SideComputation(), SideComputation(candidate=True)
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        candidate.aux.weight.mul_(scale)
+    report = check(reference, candidate, tmp_path, reference_call=lambda m: m(torch.randn(3, 8))).report
+    ledger = report.ledger
+    assert ledger.compared == ["#0", "a#0"] and ledger.unaccounted == ["aux#0"] and ledger.covered == {}
+    if scale == 1.0:
+        assert report.verdict == "pass" and ledger.differing == []
+        assert "1 reference calls not checked (first aux: no counterpart, none around it)" in headline(report)
+    else:
+        assert report.verdict == "inconclusive" and ledger.differing == ["aux#0"]
+        assert headline(report).startswith(
+            "INCONCLUSIVE: every compared module agrees, but 1 reference calls holding weights that differ were never "
+            "checked (first aux: aux.weight differs from the reference's aux.weight:"
+        )
+    assert report.to_json()["calls"]["unaccounted"] == ["aux#0"]
+
+
+def test_calls_inside_a_compared_call_that_agrees_are_covered(tmp_path):
+    reference = reference_mlp()
+    report = run(reference, ported(reference), tmp_path).report
+    assert report.ledger.covered == {"1#0": "", "3#0": ""}
+    assert report.ledger.unaccounted == []
+    assert report.summary()["unaccounted_calls"] == 0

@@ -237,6 +237,7 @@ def same_weights(
     found = found or twins(reference, candidate, dtype)
     prints = (shifted_prints(fingerprint(reference, grid), reference, found.shifted), fingerprint(candidate, grid))
     unsafe = rounded_state(candidate, dtype, found.proven)
+    called = {call.path for call in candidate_trace.calls}
     eligible = set()
     for pair in alignment.pairs:
         ref_calls, cand_calls = (
@@ -245,13 +246,26 @@ def same_weights(
         )
         if any(call.path in unsafe for call in cand_calls):
             continue
-        if pair.source == "weights":  # the weight ledger's near pair: lifted, its weights' own effect is measured
-            eligible.add(pair.reference)
+        if pair.source == "weights" or _holds_finding(alignment, cand_calls, called):
+            eligible.add(pair.reference)  # the weight ledger's defect inside: lifted, its own effect is measured
             continue
         sums = [_weights(side, calls) for side, calls in zip(prints, (ref_calls, cand_calls), strict=True)]
         if (sums[0] is not None and sums[0] == sums[1]) or _rows_of(prints, ref_calls, cand_calls):
             eligible.add(pair.reference)
     return frozenset(eligible)
+
+
+def _holds_finding(alignment: Alignment, calls: list[CallRecord], called: set[str]) -> bool:
+    """A candidate module whose subtree holds a tensor the weight ledger found to differ from its reference twin, in
+    a module no call of which runs (a position table the container's own code reads)."""
+    differing = [finding for finding in alignment.weights.differing if finding.candidate_module not in called]
+    if not differing:
+        return False
+    for call in calls:
+        prefix = f"{call.path}." if call.path else ""
+        if any(finding.candidate_module.startswith(prefix) for finding in differing):
+            return True
+    return False
 
 
 def _rows_of(prints: tuple[dict[str, ModulePrint], dict[str, ModulePrint]], *calls: list[CallRecord]) -> bool:

@@ -35,6 +35,7 @@ from paritylab.comparison.alignment import (
 )
 from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
 from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck, check_outputs, named_slot
+from paritylab.comparison.weights import WeightFinding
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
@@ -141,6 +142,36 @@ class Row:
         return data
 
 
+@dataclass(frozen=True)
+class CallLedger:
+    """Every reference call in exactly one state (:attr:`Report.ledger`)."""
+
+    compared: list[str]
+    """Paired and judged on their values (or statistics)."""
+    covered: dict[str, str]
+    """Call key -> the compared call around it whose input and output agree: whatever it computed is within what
+    that call's agreement allows."""
+    folded: list[str]
+    """Calls that return their own input (hook points, ``nn.Identity``): nothing of their own to check."""
+    ignored: list[str]
+    """Left unmatched on purpose by a rule."""
+    unaccounted: list[str]
+    """None of the above: nothing the run compared says anything of them."""
+    differing: list[str]
+    """Unaccounted calls of a module holding a weight the weight ledger found to differ: a difference nothing
+    checked, never a pass."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compared": len(self.compared),
+            "covered": len(self.covered),
+            "folded": len(self.folded),
+            "ignored": len(self.ignored),
+            "unaccounted": list(self.unaccounted),
+            "unaccounted_with_differing_weights": list(self.differing),
+        }
+
+
 @dataclass
 class Report:
     """The comparison of two traces; render with :mod:`paritylab.reports.render`."""
@@ -182,7 +213,39 @@ class Report:
             return "fail"
         if self.not_compared or not any(row.status == "compared" for row in self.rows) or decode != "pass":
             return "inconclusive"
+        if self.ledger.differing:
+            return "inconclusive"
         return "inconclusive" if graph != "pass" else "pass"
+
+    @property
+    def ledger(self) -> CallLedger:
+        """Every reference call accounted for: compared, covered by a compared call around it that agrees, folded,
+        ignored by a rule, or unaccounted (and then, with a differing weight in its module, no pass)."""
+        by_index = {row.index: row for row in self.rows}
+        compared, folded, ignored, unaccounted, differing = [], [], [], [], []
+        covered: dict[str, str] = {}
+        ignored_keys = set(self.alignment.ignored_reference)
+        weights = {finding.reference_module for finding in self.alignment.weights.differing}
+        for row in self.rows:
+            key = row.reference.key
+            if row.status == "identity":
+                folded.append(key)
+            elif row.status != "unmatched":
+                compared.append(key)
+            elif key in ignored_keys:
+                ignored.append(key)
+            else:
+                around = next(
+                    (by_index[i] for i in ancestors(row, by_index) if by_index[i].status != "unmatched"), None
+                )
+                agrees = around is not None and around.verdict == "pass" and not around.input_diverged
+                if around is not None and agrees and around.status in ("compared", "stats-only"):
+                    covered[key] = around.path
+                else:
+                    unaccounted.append(key)
+                    if row.path in weights:
+                        differing.append(key)
+        return CallLedger(compared, covered, folded, ignored, unaccounted, differing)
 
     @property
     def not_compared(self) -> list[Row]:
@@ -246,6 +309,36 @@ class Report:
             replay_origins=[copies.get(id(row), row) for row in self.replay_origins],
         )
 
+    @property
+    def weight_origin(self) -> tuple[WeightFinding, Row] | None:
+        """Where divergence starts when it is a weight no module call judges: a tensor the weight ledger found to
+        differ, held by a module that never runs (a position table its container's own code reads), and the row of
+        the nearest called module around it (the reader), when that row is where divergence starts, contains it,
+        or diverges before it. The table's module is named, whatever order the container's inputs come in."""
+        first = self.first_divergence
+        if first is None or self.passed:
+            return None
+        by_path: dict[str, Row] = {}
+        for row in self.rows:
+            by_path.setdefault(row.path, row)  # its first call
+        by_index = {row.index: row for row in self.rows}
+        found: list[tuple[int, WeightFinding, Row]] = []
+        for finding in self.alignment.weights.differing:
+            if finding.reference_module in by_path:
+                continue  # a module that runs: its own row judges it
+            reader = next((by_path[path] for path in _enclosing(finding.reference_module) if path in by_path), None)
+            if reader is None:
+                continue
+            around = set(ancestors(first, by_index))
+            encloses = reader.index == first.index or reader.index in around
+            earlier = reader.diverged and reader.index < first.index
+            if encloses or first.index in set(ancestors(reader, by_index)) or earlier:
+                found.append((reader.index, finding, reader))
+        if not found:
+            return None
+        _, finding, reader = min(found, key=lambda entry: entry[0])
+        return finding, reader
+
     def summary(self) -> dict[str, Any]:
         judged = [row for row in self.rows if row.verdict != "skip"]
         worst = max((row for row in judged if row.rel_l2 is not None), key=lambda r: r.rel_l2 or 0.0, default=None)
@@ -259,7 +352,13 @@ class Report:
             "skipped": sum(row.verdict == "skip" for row in self.rows),
             "origins": [row.path for row in self.origins],
             "replay_origins": [row.path for row in self.replay_origins],
-            "first_divergence": self.first_divergence.path if self.first_divergence else None,
+            "first_divergence": (
+                self.weight_origin[0].reference_module
+                if self.weight_origin
+                else self.first_divergence.path
+                if self.first_divergence
+                else None
+            ),
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
             "culprit_reason": self.culprit_reason,
             "first_operation": self.drilldown.get("operation") if self.drilldown else None,
@@ -273,6 +372,7 @@ class Report:
             "unmatched_reference": len(self.alignment.unmatched_reference),
             "unmatched_candidate": len(self.alignment.unmatched_candidate),
             "weights_differing": len(self.alignment.weights.differing),
+            "unaccounted_calls": len(self.ledger.unaccounted),
             "first_nonfinite": self.first_nonfinite,
             "inputs_changed": self.inputs_changed,
             "buffers_changed": self.buffers_changed,
@@ -287,6 +387,7 @@ class Report:
             "whole_graph": self.whole_graph,
             "unmatched_candidate": self.alignment.unmatched_candidate,
             "weights": self.alignment.weights.to_json(),
+            "calls": self.ledger.to_json(),
         }
 
 
@@ -788,6 +889,13 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
         else:
             row.cause = "inherited"
     return sorted(origins, key=lambda row: row.index)
+
+
+def _enclosing(path: str) -> Iterator[str]:
+    """The proper ancestors of a module path, nearest first (the root ``""`` last)."""
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        yield path
 
 
 def _own_weights(row: Row) -> bool:

@@ -71,6 +71,15 @@ def _verdict_line(report: Report) -> str:
     graph = report.whole_graph or {}
     if report.verdict == "inconclusive" and graph.get("verdict") == "unchecked" and not report.not_compared:
         return f"INCONCLUSIVE: every traced module agrees, but {printable(str(graph.get('message')))}; not a pass"
+    if report.verdict == "inconclusive" and report.ledger.differing and not report.not_compared:
+        ledger = report.ledger
+        unchecked = ledger.differing[0].rsplit("#", 1)[0]
+        found = report.alignment.weights.at(unchecked)
+        weight = f": {found[0].line()}" if found else ""
+        return (
+            f"INCONCLUSIVE: every compared module agrees, but {len(ledger.differing)} reference calls holding weights "
+            f"that differ were never checked (first {display_path(unchecked)}{weight}); not a pass"
+        )
     if report.verdict == "inconclusive":
         missing = report.not_compared
         if not missing:
@@ -84,7 +93,14 @@ def _verdict_line(report: Report) -> str:
     steps = f" and {decode['steps'] - 1} decode steps" if decode else ""
     if report.passed:
         rel = fmt(summary["output_rel_l2"])
-        return f"PASS: {summary['passed']} modules within tolerance{steps} (output rel_l2 {rel})"
+        line = f"PASS: {summary['passed']} modules within tolerance{steps} (output rel_l2 {rel})"
+        unaccounted = report.ledger.unaccounted
+        if unaccounted:  # said, never hidden: what the pass does not cover
+            unchecked = display_path(unaccounted[0].rsplit("#", 1)[0])
+            line += (
+                f"; {len(unaccounted)} reference calls not checked (first {unchecked}: no counterpart, none around it)"
+            )
+        return line
     if report.first_divergence is None and decode.get("first_divergence"):
         token = decode.get("first_token_mismatch")
         tokens = f"greedy tokens first differ at step {token}" if token is not None else "greedy tokens all agree"
@@ -114,6 +130,14 @@ def _verdict_line(report: Report) -> str:
     held = weights_at(report, first)
     if held:  # the weight ledger saw why: the module computes with weights that are not the reference's
         why += f"; its weights differ: {held[0].line()}"
+    table = report.weight_origin
+    if table is not None:  # a weight no call judges, read by the code of the module the rows name
+        finding, reader = table
+        where = display_path(finding.reference_module)
+        why = (
+            f": its weight differs, {finding.line()}; no call of it runs: {display_path(reader.path)}'s own code "
+            f"reads it, and diverges there ({report.culprit_reason or 'the rows name it'})"
+        )
     return (
         f"FAIL: divergence starts at {where} ({error}){why}; "
         f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
@@ -127,6 +151,20 @@ def _primary_agrees(row: Row) -> bool:
     if row.status == "stats-only":
         return row.tolerance is not None and stats_within(row.metrics, row.tolerance)
     return "frac_outside" in row.metrics and within(row.metrics)
+
+
+def calls_line(report: Report) -> str:
+    """Where every reference call ended (:attr:`Report.ledger`), and the candidate's calls with no counterpart."""
+    ledger = report.ledger
+    parts = [f"{len(ledger.compared)} compared", f"{len(ledger.covered)} covered by a compared call around them"]
+    parts += [f"{len(ledger.folded)} folded"] if ledger.folded else []
+    parts += [f"{len(ledger.ignored)} ignored by rule"] if ledger.ignored else []
+    parts.append(f"{len(ledger.unaccounted)} unaccounted")
+    if ledger.unaccounted:
+        listed = ", ".join(display_path(key.rsplit("#", 1)[0]) for key in ledger.unaccounted[:3])
+        parts[-1] += f" ({listed}{', ...' if len(ledger.unaccounted) > 3 else ''})"
+    extra = len(report.alignment.unmatched_candidate)
+    return f"reference calls: {', '.join(parts)}; candidate calls with no counterpart: {extra}"
 
 
 def weights_at(report: Report, row: Row | None) -> list[WeightFinding]:
@@ -160,8 +198,7 @@ def to_console(report: Report, limit: int | None = 60) -> str:
         keep |= {row.index for row in rows[:5]}
         rows = [row for row in rows if row.index in keep][:limit]
     lines = [_table([_cells(row) for row in rows])]
-    unmatched = len(report.alignment.unmatched_reference), len(report.alignment.unmatched_candidate)
-    lines.append(f"unmatched calls: {unmatched[0]} reference, {unmatched[1]} candidate")
+    lines.append(calls_line(report))
     lines.extend(weights_lines(report))
     lines.append(headline(report))
     inside = operation_line(report)

@@ -120,6 +120,7 @@ def report_metrics(report: Report) -> list[Metric]:
     _add(metrics, "summary/unmatched_reference", summary["unmatched_reference"], 0)
     _add(metrics, "summary/unmatched_candidate", summary["unmatched_candidate"], 0)
     _add(metrics, "summary/weights_differing", summary.get("weights_differing"), 0)
+    _add(metrics, "summary/unaccounted_calls", summary.get("unaccounted_calls"), 0)
     return metrics
 
 
