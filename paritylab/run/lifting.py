@@ -33,6 +33,7 @@ from paritylab.run.widening import converted_in_place
 from paritylab.tracing.initial import caches_reset, reset_caches
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer
+from paritylab.tracing.values import map_tensors
 
 Call = Callable[[nn.Module], Any]
 
@@ -315,16 +316,10 @@ def _rounding(slots: frozenset[str], dtype: torch.dtype) -> Callable[[nn.Module,
     """A forward hook that rounds the output ``slots`` (``outputs.0``: a tuple's first item) to ``dtype``, kept in
     the dtype they were computed in: a table the candidate holds rounded (:attr:`Twins.rounded_outputs`)."""
 
-    def rounded(value: Any, slot: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(dtype).to(value.dtype) if slot in slots and value.is_floating_point() else value
-        if isinstance(value, tuple | list):
-            return type(value)(rounded(item, f"{slot}.{index}") for index, item in enumerate(value))
-        if isinstance(value, dict):
-            return type(value)({key: rounded(item, f"{slot}.{key}") for key, item in value.items()})
-        return value
+    def rounded(value: torch.Tensor, slot: str) -> torch.Tensor:
+        return value.to(dtype).to(value.dtype) if slot in slots and value.is_floating_point() else value
 
-    return lambda _module, _args, output: rounded(output, "outputs")
+    return lambda _module, _args, output: map_tensors(output, rounded, "outputs")
 
 
 def lifted_candidate(
@@ -415,15 +410,15 @@ def cast_call(call: Call, dtype: torch.dtype, rounded_to: torch.dtype | None = N
 
 
 def _cast(value: Any, dtype: torch.dtype, rounded_to: torch.dtype | None) -> Any:
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            return value
-        return (value.to(rounded_to) if rounded_to is not None else value).to(dtype)
-    if isinstance(value, tuple | list):
-        return type(value)(_cast(item, dtype, rounded_to) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast(item, dtype, rounded_to) for key, item in value.items()}
-    return value
+    """Every floating-point tensor in ``value`` in ``dtype`` (first rounded to ``rounded_to``), every container kept
+    the type it was (a ``BaseModelOutput`` passed as ``encoder_outputs`` is still one)."""
+
+    def cast(tensor: torch.Tensor, _: str) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        return (tensor.to(rounded_to) if rounded_to is not None else tensor).to(dtype)
+
+    return map_tensors(value, cast)
 
 
 def _traced(model: nn.Module, call: Call, directory: Path) -> Trace:

@@ -12,6 +12,7 @@ A *slot* names a tensor leaf by its path of keys, such as ``outputs.0`` or ``inp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -78,6 +79,39 @@ def encode(value: object, on_tensor: TensorEncoder) -> Node:
     if isinstance(value, _PLAIN):
         return {"t": "object", "repr": str(value)}
     return {"t": "object", "repr": stable_repr(value)}
+
+
+def map_tensors(value: Any, convert: Callable[[torch.Tensor, str], torch.Tensor], slot: str = "") -> Any:
+    """``value`` with every tensor in it replaced by ``convert(tensor, slot)``, every container rebuilt as the type it
+    was: a tuple subclass (a named tuple) with its fields, a mapping subclass (transformers' ``ModelOutput``, which
+    code then indexes by position) by copying it and setting each key, a dataclass by :func:`dataclasses.replace`.
+    Slots are named as :func:`encode`'s (``outputs.0``, ``outputs.logits``)."""
+    if isinstance(value, torch.Tensor):
+        return convert(value, slot)
+    if isinstance(value, tuple | list):
+        items = [map_tensors(item, convert, f"{slot}.{index}") for index, item in enumerate(value)]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, Mapping):
+        mapped = {key: map_tensors(item, convert, f"{slot}.{key}") for key, item in value.items()}
+        if type(value) is dict:
+            return mapped
+        try:
+            rebuilt = copy.copy(value)
+            for key, item in mapped.items():
+                rebuilt[key] = item  # type: ignore[index]
+            return rebuilt
+        except (TypeError, AttributeError, KeyError):
+            return value  # a read-only mapping: handed on as given
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            field.name: map_tensors(getattr(value, field.name), convert, f"{slot}.{field.name}")
+            for field in dataclasses.fields(value)
+            if field.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
 
 
 def iter_tensors(node: Node | None, prefix: str) -> Iterator[tuple[str, Node]]:
