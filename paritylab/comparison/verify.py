@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from paritylab.comparison.alignment import Alignment, Pair, in_layout, transposed
+from paritylab.comparison.judgement import DIVERGENCE_MARGIN, Row, producer_row, relative_error
 from paritylab.comparison.metrics import Tolerance, divergence
-from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, producer_row, relative_error
 from paritylab.tracing.tracefile import CallRecord, Node, Trace
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
