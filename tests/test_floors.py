@@ -102,3 +102,20 @@ def test_a_weight_read_from_outside_its_module_sends_the_low_precision_side_to_a
     low = trace_model(converted_copy(model, torch.bfloat16), cast_call(call, torch.bfloat16), tmp_path / "low")
     assert floors.free_run == noise_floor(reference_trace, low) and floors.free_run["#0"] > 1e-4
     assert all(p.dtype == torch.float32 and type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_a_zero_reference_floor_against_a_bf16_candidate_is_bf16s_rounding_not_zero():
+    """transformers' Mamba keeps its final norm in float32 when cast to bfloat16: the reference's own floor there is 0,
+    and a candidate computing it in bfloat16 rounds as bfloat16 does. Its own error is judged against that rounding;
+    a float32 candidate keeps float32's."""
+    from paritylab.comparison.attribution import beyond_floor
+    from paritylab.comparison.metrics import min_floor
+
+    rounding = {"rel_l2": 4e-3, "scale_err": 0.0, "offset_err": 0.0}
+    zero = {"rel_l2": 0.0, "scale_err": 0.0, "offset_err": 0.0}
+    assert beyond_floor(rounding, zero, "float32", candidate_dtype="bfloat16") is None
+    assert beyond_floor(rounding, zero, "float32") == "own error 133333.3x its local noise floor"
+    assert beyond_floor({**rounding, "rel_l2": 5e-2}, zero, "float32", candidate_dtype="bfloat16") == (
+        "own error 25.0x its local noise floor"
+    )
+    assert min_floor("float32", "bfloat16") == 2e-3 and min_floor("float32") == 3e-8

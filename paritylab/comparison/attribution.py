@@ -18,7 +18,7 @@ from paritylab.comparison.alignment import (
     in_layout,
 )
 from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
-from paritylab.comparison.metrics import Tolerances, systematic_z
+from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
 from paritylab.comparison.report import (
     Report,
     Row,
@@ -85,7 +85,16 @@ def attach_replay(
         reason, systematic, coded = None, None, False
         if floor is not None:
             systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
-            reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic)
+            candidate_dtype = local.candidate.dtype if local.candidate is not None else None
+            reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic, candidate_dtype)
+            kept_wide = floor.get("rel_l2", 0.0) < POLICY_SHARE * min_floor(candidate_dtype)
+            if kept_wide and narrower(candidate_dtype, row.reference.dtype):
+                policy = (
+                    f"the reference keeps this module wider than {candidate_dtype} when cast (its own floor "
+                    f"{floor.get('rel_l2', 0.0):.2g}), the candidate computes it in {candidate_dtype}: judged against "
+                    f"{candidate_dtype}'s rounding (the two precision policies differ)"
+                )
+                row.note = f"{row.note}; {policy}" if row.note else policy
         diverged = local.diverged if floor is None else reason is not None
         if floor_loosens_only:
             diverged = local.diverged and (floor is None or reason is not None)
@@ -288,10 +297,11 @@ SYSTEMATIC_Z = 8.0
 """... or when the difference from the reference's own low-precision replay has a gain or offset this many
 standard errors from zero (clean pairs of independently written implementations measured at most 3.6; a
 0.1 % offset in bfloat16 gives 5 to 46)."""
-_MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4, "float32": 3e-8}
-"""Smallest local floor assumed per dtype: a quarter of its machine epsilon (exact reference modules)."""
 
 
+POLICY_SHARE = 0.25
+"""A reference floor below this share of the candidate dtype's smallest floor is no rounding at that dtype: the
+reference's cast keeps the module wider (a precision policy), and the note says so."""
 CODE_MULTIPLE = 16.0
 """A float32 module's own error beyond this multiple of float32's own rounding of its code (its floor against
 float64, or float32's unit roundoff where the floor is smaller) is a code difference, whatever the tolerance says.
@@ -337,8 +347,10 @@ def beyond_floor(
     floor: Mapping[str, float],
     dtype: str | None,
     systematic: Mapping[str, float] | None = None,
+    candidate_dtype: str | None = None,
 ) -> str | None:
-    """Why a module's own low-precision error is more than rounding, or ``None`` when it is not.
+    """Why a module's own low-precision error is more than rounding, or ``None`` when it is not. The floor is never
+    below what rounding to the lower of ``dtype`` and ``candidate_dtype`` causes (:func:`min_floor`).
 
     Rounding error is unbiased: it has no part along the output and no constant part beyond what the
     reference's own rounding shows, while a wrong scale, offset, eps or activation has one. ``systematic``
@@ -348,7 +360,7 @@ def beyond_floor(
     """
     if metrics.get("nan_mismatch") or metrics.get("inf_mismatch"):
         return "NaN/Inf the reference does not produce"
-    rel_floor = max(floor.get("rel_l2", 0.0), _MIN_FLOOR.get(dtype or "", 0.0), 1e-12)
+    rel_floor = max(floor.get("rel_l2", 0.0), min_floor(dtype, candidate_dtype), 1e-12)
     rel = metrics.get("rel_l2", 0.0) / rel_floor
     if rel > REL_MULTIPLE:
         return f"own error {rel:.1f}x its local noise floor"

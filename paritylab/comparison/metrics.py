@@ -228,6 +228,24 @@ def _accumulate(
     return tuple(totals)
 
 
+MIN_FLOOR = {"bfloat16": 2e-3, "float16": 2.5e-4, "float32": 3e-8}
+"""Smallest noise floor (relative L2) assumed per dtype: a quarter of its machine epsilon, what rounding a module's
+output to that dtype alone causes (exact reference modules)."""
+_WIDTH = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def min_floor(*dtypes: str | None) -> float:
+    """The smallest floor a pair computed in ``dtypes`` can have: that of the lowest precision among them. A
+    reference whose cast keeps a module in float32 (transformers' Mamba keeps its residual and final norm so) has
+    a floor of 0 there; a bfloat16 candidate computing it in bfloat16 still rounds, and is judged against that."""
+    return max((MIN_FLOOR.get(dtype or "", 0.0) for dtype in dtypes), default=0.0)
+
+
+def narrower(dtype: str | None, than: str | None) -> bool:
+    """``dtype`` holds fewer bits than ``than`` (bfloat16 against float32)."""
+    return _WIDTH.get(dtype or "", 0) < _WIDTH.get(than or "", 0) and dtype in _WIDTH
+
+
 def within(metrics: Mapping[str, float]) -> bool:
     """Pass: no NaN/Inf mismatch, and close elementwise or in L2 norm (``‖c−r‖ ≤ atol·√n + rtol·‖r‖``)."""
     if metrics["nan_mismatch"] or metrics["inf_mismatch"]:

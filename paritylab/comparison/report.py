@@ -49,7 +49,15 @@ from paritylab.comparison.judgement import (
     producer_row,
     relative_error,
 )
-from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, stats_divergence, stats_within, within
+from paritylab.comparison.metrics import (
+    Tolerance,
+    Tolerances,
+    divergence,
+    min_floor,
+    stats_divergence,
+    stats_within,
+    within,
+)
 from paritylab.comparison.outputs import NOT_COMPARED, check_outputs, named_slot
 from paritylab.comparison.verify import verify_pairs
 from paritylab.tracing.tracefile import CallRecord, Trace
@@ -436,6 +444,7 @@ def _judge(
 def _apply_floor(row: Row, floor: float | None, multiple: float) -> None:
     if floor is None or row.status != "compared":
         return
+    floor = max(floor, min_floor(row.candidate.dtype if row.candidate is not None else None))
     row.floor = floor
     nonfinite = row.metrics["nan_mismatch"] or row.metrics["inf_mismatch"]
     if row.verdict == "fail" and not nonfinite and row.metrics["rel_l2"] <= multiple * floor:
