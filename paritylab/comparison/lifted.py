@@ -63,6 +63,11 @@ LIFTED_CHANGE = "lifted_changed_after_rel_l2"
 (judged against the row's float32 tolerance): see :meth:`LiftedReplay.changed_after`."""
 
 
+CODE_AGREES = 1e-5
+"""A lifted row within this relative L2 error shows the candidate's code computing what the reference's does: fp32
+pairs of independent implementations agree to about 1e-6; a 1e-3 code difference is a hundred times more."""
+
+
 @dataclass(frozen=True)
 class LiftedReplay:
     """Both sides replayed in float32 with the candidate's low-precision weights (see the module's text)."""
@@ -151,6 +156,20 @@ class LiftedReplay:
         if self._rounds(row) or not (row.observed or self._fed_alike(row.reference.key)):
             return None  # an observed row's input agreed with its counterpart's output: checked there
         return self._own_error(row)
+
+    def agrees(self, row: Row | None) -> bool:
+        """The lifted row measures its module's own code, fed alike, and finds it the reference's: its error is
+        within :data:`CODE_AGREES` (what two float32 implementations of one computation differ by)."""
+        if row is None or row.status != "compared" or CHANGED_AFTER in row.metrics:
+            return False
+        error = relative_error(row.metrics)
+        if error is None or error > CODE_AGREES or row.metrics.get("nan_mismatch") or row.metrics.get("inf_mismatch"):
+            return False
+        if row.reference.key in self.fed:
+            return not self._rounds(row)
+        if row.input_diverged or self._rounds(row):
+            return False
+        return row.observed or self._fed_alike(row.reference.key)
 
     def _own_error(self, row: Row) -> str:
         error = relative_error(row.metrics)
