@@ -358,3 +358,89 @@ def test_calls_inside_a_compared_call_that_agrees_are_covered(tmp_path):
     assert report.ledger.covered == {"1#0": "", "3#0": ""}
     assert report.ledger.unaccounted == []
     assert report.summary()["unaccounted_calls"] == 0
+
+
+H = 32
+
+
+class Separate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.o(torch.softmax(q @ k.transpose(-1, -2) / H**0.5, -1) @ v)
+
+
+class Fused(nn.Module):
+    """The same attention with one ``[q; k; v]`` projection, as vLLM and Megatron fuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(H, 3 * H), nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(H, -1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2) / H**0.5, -1) @ v)
+
+
+def fused_pair(plant: str) -> tuple[Separate, Fused]:
+    torch.manual_seed(0)
+    reference, candidate = Separate(), Fused()
+    with torch.no_grad():
+        candidate.qkv.weight.copy_(torch.cat([reference.q.weight, reference.k.weight, reference.v.weight]))
+        candidate.qkv.bias.copy_(torch.cat([reference.q.bias, reference.k.bias, reference.v.bias]))
+        candidate.out.load_state_dict(reference.o.state_dict())
+        if plant == "block":
+            candidate.qkv.weight[H : 2 * H] *= 1.01
+        elif plant == "bias":
+            candidate.qkv.bias[H : 2 * H] *= 1.01
+        elif plant == "element":
+            candidate.qkv.weight[H + 3, 5] *= 1.01
+    return reference, candidate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("plant", "says"),
+    [
+        ("block", "qkv.weight rows 32-63 differs from the reference's k.weight: scaled by 1.01"),
+        ("bias", "qkv.bias [32:64] differs from the reference's k.bias: scaled by 1.01"),
+        ("element", "qkv.weight rows 35-35 differs from the reference's k.weight rows 3-3"),
+        ("none", ""),
+    ],
+)
+def test_a_wrong_block_of_a_fused_projection_is_named_at_the_separate_module_it_stands_for(
+    tmp_path, plant, says, dtype
+):
+    reference, candidate = fused_pair(plant)
+    candidate = candidate.to(dtype)
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(1))
+    report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))).report
+    ledger = report.alignment.weights
+    assert ledger.unmatched == []
+    if plant == "none":
+        assert report.verdict == "pass", headline(report)
+        assert ledger.findings == [] and ledger.matched == 4
+        return
+    assert report.verdict == "fail"
+    assert report.first_divergence is not None and report.first_divergence.path == "k", headline(report)
+    (finding,) = ledger.differing
+    assert finding.line().startswith(says)
+    pair = report.alignment.by_reference()["k#0"]
+    assert pair.candidate == "qkv#0" and pair.candidate_part is not None
+    assert (pair.candidate_part.start, pair.candidate_part.stop) == (H, 2 * H)
+
+
+def test_a_block_of_rows_loaded_from_the_wrong_place_keeps_its_pair_and_says_where_it_came_from():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    candidate = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        candidate[1].weight[0:16] = candidate[1].weight[16:32].clone()
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    (finding,) = ledger.differing
+    assert finding.detail.startswith("rows 0-15 of 64 differ: they hold the reference's rows 16-31")
+    assert ledger.module_pairs == {"1": "1"}

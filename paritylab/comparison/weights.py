@@ -88,6 +88,9 @@ class WeightLedger:
     findings: list[WeightFinding] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
     """Candidate tensors near no reference tensor (a port's own tables, extra parameters)."""
+    part_pairs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    """Reference module -> (candidate module, first, last + 1 output feature): a fused candidate weight one of whose
+    row blocks is the reference module's weight with a defect (the k rows of a ``[q; k; v]`` projection)."""
     module_pairs: dict[str, str] = field(default_factory=dict)
     """Reference module -> candidate module, for modules whose own tensors match one to one with at least one
     differing: the alignment pairs them whatever their names and classes."""
@@ -158,10 +161,18 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
     for item in open_theirs:
         match = near.get(id(item))
         if match is None:
-            ledger.unmatched.append(item.name)
+            blocks = _by_blocks(item, ours) if len(item.print.shape) == 2 else _by_tiles(item, ours)
+            if blocks is None:
+                ledger.unmatched.append(item.name)
+                continue
+            ledger.matched += not blocks.findings and not blocks.unmatched
+            ledger.findings += blocks.findings
+            ledger.unmatched += blocks.unmatched
+            for finding, start, stop in blocks.parts:
+                ledger.part_pairs[finding.reference_module] = (finding.candidate_module, start, stop)
             continue
-        twin, distance, flipped = match
-        detail, rel_l2 = _describe(twin, item, distance, flipped)
+        twin, _, flipped = match
+        detail, rel_l2 = _describe(twin, item, flipped)
         ledger.findings.append(_finding(twin, item, "differs", detail, rel_l2))
     ledger.module_pairs = _module_pairs(ledger, reference, candidate)
     return ledger
@@ -187,13 +198,17 @@ def _row_index(items: Iterable[Held]) -> dict[tuple[int, int], int]:
 
 
 def _all_rows_held(item: Held, rows: Mapping[tuple[int, int], int]) -> bool:
-    """Every row of a 2-D candidate tensor is a row some reference tensor holds: a fused projection against
-    separate ones, a part of a fused one, a table cut to some of its rows."""
+    """Every row of a 2-D candidate tensor is a row some reference tensor holds, each at most as often as the
+    reference holds it: a fused projection against separate ones, a part of a fused one, a table cut to some of its
+    rows. (A block of rows overwritten with a copy of another block holds every row, one of them twice: not this.)"""
     if not item.print.row_bytes or len(item.print.shape) != 2:
         return False
     width = item.print.shape[1]
-    values = numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist()
-    return bool(values) and all((width, value) in rows for value in values if value)
+    values = [value for value in numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist() if value]
+    counts: dict[int, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return bool(values) and all(rows.get((width, value), 0) >= count for value, count in counts.items())
 
 
 def _layout(ours: Held, theirs: Held) -> str | None:
@@ -244,7 +259,10 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, tuple[Held, floa
         shape = item.print.shape
         scored: list[tuple[float, Held, bool]] = []
         for twin in by_shape.get(shape, ()):
-            scored.append((_distance(twin.print, item.print, False), twin, False))
+            distance = _distance(twin.print, item.print, False)
+            if _mostly_in_place(twin.print, item.print):  # most rows and columns as they were: a defect in a few
+                distance = min(distance, NEAR * _differing_share(twin.print, item.print))
+            scored.append((distance, twin, False))
         if len(shape) == 2:
             for twin in by_shape.get(shape[::-1], ()):
                 scored.append((_distance(twin.print, item.print, True), twin, True))
@@ -267,6 +285,181 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, tuple[Held, floa
     return found
 
 
+@dataclass
+class _Blocks:
+    """What a fused or sharded candidate tensor holds, block by block."""
+
+    findings: list[WeightFinding] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    parts: list[tuple[WeightFinding, int, int]] = field(default_factory=list)
+    """Findings whose reference is a whole tensor, with the candidate rows ``[start, stop)`` holding it."""
+
+
+def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
+    """A 2-D candidate tensor most of whose rows are reference rows (a fused ``[q; k; v]`` against separate
+    projections, a shard's ``[q_r; k_r; v_r]``): each run of rows no reference row matches is compared, by its row
+    sums, with each reference block it could stand for (a whole tensor of as many rows none of whose rows the
+    candidate holds, or a gap of as many rows in a tensor the candidate holds the rest of). ``None`` where fewer than
+    a quarter of its rows are reference rows: not a composite."""
+    theirs = item.print
+    if not theirs.row_bytes or len(theirs.shape) != 2 or theirs.sums is None:
+        return None
+    width = theirs.shape[1]
+    index: dict[int, list[tuple[Held, int]]] = {}
+    candidates = [other for other in ours if len(other.print.shape) == 2 and other.print.shape[1] == width]
+    for other in candidates:
+        if other.print.row_bytes:
+            for row, value in enumerate(numpy.frombuffer(other.print.row_bytes, dtype="<u8").tolist()):
+                index.setdefault(value, []).append((other, row))
+    hashes = numpy.frombuffer(theirs.row_bytes, dtype="<u8").tolist()
+    held_rows = [index.get(value, [])[:1] for value in hashes]
+    share = sum(1 for found in held_rows if found) / max(1, len(hashes))
+    if share < 0.25 or share == 1.0:
+        return None
+    used: dict[int, set[int]] = {}
+    placed: dict[int, dict[int, int]] = {}  # id of a reference tensor -> its rows -> the candidate rows holding them
+    for position, found in enumerate(held_rows):
+        for other, row in found:
+            used.setdefault(id(other), set()).add(row)
+            placed.setdefault(id(other), {}).setdefault(row, position)
+    result = _Blocks()
+    differing: dict[int, tuple[Held, WeightFinding]] = {}
+    for start, stop in _runs([position for position, found in enumerate(held_rows) if not found]):
+        options = list(_blocks_of(candidates, used, stop - start))
+        scored = sorted(
+            ((_rows_distance(theirs, start, stop, other.print, first), other, first) for other, first in options),
+            key=lambda entry: entry[0],
+        )
+        where = f"{item.name} rows {start}-{stop - 1}"
+        if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
+            result.unmatched.append(where)
+            continue
+        distance, other, first = scored[0]
+        whole = other.print.shape[0] == stop - start
+        reference = other.name if whole else f"{other.name} rows {first}-{first + stop - start - 1}"
+        sums, ref_sums = theirs.sums[0][start:stop], _row_sums(other.print)[first : first + stop - start]
+        scale = _scale(ref_sums, sums)
+        detail = (
+            f"scaled by {scale:.4g}, rel_l2 {abs(scale - 1):.3g}"
+            if scale
+            else f"rel_l2 ~{distance:.3g} (from row sums)"
+        )
+        finding = WeightFinding(
+            where, reference, item.module, other.module, "differs", detail, abs(scale - 1) if scale else distance
+        )
+        result.findings.append(finding)
+        placed.setdefault(id(other), {}).update({first + k: start + k for k in range(stop - start)})
+        differing.setdefault(id(other), (other, finding))
+    for other, finding in differing.values():  # a reference tensor held whole by a run of rows, some of them wrong
+        rows = placed.get(id(other), {})
+        at = rows.get(0)
+        if at is not None and all(rows.get(row) == at + row for row in range(other.print.shape[0])):
+            result.parts.append((finding, at, at + other.print.shape[0]))
+    return result
+
+
+def _by_tiles(item: Held, ours: list[Held]) -> _Blocks | None:
+    """A 1-D candidate tensor that is reference tensors laid end to end (a fused bias against separate ones), each
+    part equal to one, or near one (a defect in one part). ``None`` where its start is no reference tensor's."""
+    sums = item.print.sums
+    if sums is None or len(item.print.shape) != 1:
+        return None
+    values = sums[0]
+    flat = [other for other in ours if len(other.print.shape) == 1 and other.print.sums is not None]
+    result, position, taken, exact = _Blocks(), 0, set(), 0
+    while position < len(values):
+        scored = []
+        for other in flat:
+            size = other.print.shape[0]
+            if id(other) in taken or size > len(values) - position or size == len(values):
+                continue
+            part, ref = values[position : position + size], _row_sums(other.print)
+            scale = float(numpy.linalg.norm(ref)) or 1.0
+            scored.append((float(numpy.linalg.norm(part - ref)) / scale, -size, other))
+        scored.sort(key=lambda entry: entry[:2])
+        if not scored or scored[0][0] >= NEAR:
+            return None if position == 0 or not exact else _tail(result, item, position, len(values))
+        distance, _, other = scored[0]
+        size = other.print.shape[0]
+        taken.add(id(other))
+        if distance > ROUNDING:
+            detail, rel_l2 = _values_differ(_row_sums(other.print), values[position : position + size])
+            where = f"{item.name} [{position}:{position + size}]"
+            finding = WeightFinding(
+                where, other.name, item.module, other.module, "differs", detail + f", rel_l2 {rel_l2:.3g}", rel_l2
+            )
+            result.findings.append(finding)
+            result.parts.append((finding, position, position + size))
+        else:
+            exact += 1
+        position += size
+    return result if exact else None
+
+
+def _tail(result: _Blocks, item: Held, start: int, stop: int) -> _Blocks:
+    result.unmatched.append(f"{item.name} [{start}:{stop}]")
+    return result
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted positions as ``[start, stop)`` runs."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1][1] += 1
+        else:
+            runs.append([position, position + 1])
+    return [(a, b) for a, b in runs]
+
+
+def _blocks_of(candidates: list[Held], used: Mapping[int, set[int]], size: int) -> Iterable[tuple[Held, int]]:
+    """Reference blocks of ``size`` rows a run of candidate rows may stand for: a whole tensor none of whose rows the
+    candidate holds, or a gap of exactly that many rows in a tensor it holds the rest of."""
+    for other in candidates:
+        rows = other.print.shape[0]
+        taken = used.get(id(other), set())
+        if not taken:
+            if rows == size and other.print.sums is not None:
+                yield other, 0
+            continue
+        for first, last in _runs([row for row in range(rows) if row not in taken]):
+            if last - first == size and other.print.sums is not None:
+                yield other, first
+
+
+def _row_sums(item: ParamPrint) -> numpy.ndarray:
+    sums = item.sums
+    assert sums is not None
+    return sums[0]
+
+
+def _rows_distance(theirs: ParamPrint, start: int, stop: int, ours: ParamPrint, first: int) -> float:
+    ref = _row_sums(ours)[first : first + stop - start]
+    scale = float(numpy.linalg.norm(ref))
+    if scale == 0.0:
+        return math.inf
+    return float(numpy.linalg.norm(_row_sums(theirs)[start:stop] - ref)) / scale
+
+
+def _mostly_in_place(ours: ParamPrint, theirs: ParamPrint) -> bool:
+    """Two same-shape 2-D tensors whose rows hash alike at the same positions for more than half the rows, or whose
+    columns do for more than half the columns: one is the other with a few rows, columns or elements changed (a
+    block of rows loaded from the wrong place, one element scaled), however far its sums moved."""
+    return _differing_share(ours, theirs) < 0.5
+
+
+def _differing_share(ours: ParamPrint, theirs: ParamPrint) -> float:
+    """The smaller of the shares of rows and of columns that differ between two same-shape 2-D tensors (1.0 when
+    they keep no row hashes)."""
+    if not ours.row_bytes or not theirs.row_bytes or ours.shape != theirs.shape:
+        return 1.0
+    shares = []
+    for a, b in ((ours.row_bytes, theirs.row_bytes), (ours.col_bytes, theirs.col_bytes)):
+        left, right = numpy.frombuffer(a, dtype="<u8"), numpy.frombuffer(b, dtype="<u8")
+        shares.append(float(numpy.mean(left != right)) if len(left) else 1.0)
+    return min(shares)
+
+
 def _only(item: Held, items: list[Held]) -> bool:
     return sum(1 for other in items if other.print.shape == item.print.shape) == 1
 
@@ -287,7 +480,7 @@ def _distance(ours: ParamPrint, theirs: ParamPrint, flipped: bool) -> float:
     return float(numpy.linalg.norm(cand - ref)) / scale
 
 
-def _describe(ours: Held, theirs: Held, distance: float, flipped: bool) -> tuple[str, float | None]:
+def _describe(ours: Held, theirs: Held, flipped: bool) -> tuple[str, float | None]:
     """What differs between a candidate tensor and the reference tensor it is nearest, and its relative L2 error
     where the fingerprints tell it (else the sketch's distance)."""
     a, b = ours.print, theirs.print
@@ -312,8 +505,8 @@ def _describe(ours: Held, theirs: Held, distance: float, flipped: bool) -> tuple
             parts.append(f"scaled by {scale:.4g}")
             rel_l2 = abs(scale - 1.0)
     if rel_l2 is None:
-        rel_l2 = distance
-        parts.append(f"rel_l2 ~{distance:.3g} (from row and column sums)")
+        rel_l2 = _distance(a, b, flipped)  # the sums' own distance (a match by rows in place may have scored less)
+        parts.append(f"rel_l2 ~{rel_l2:.3g} (from row and column sums)")
     else:
         parts.append(f"rel_l2 {rel_l2:.3g}")
     return ", ".join(parts), rel_l2
@@ -335,6 +528,17 @@ def _located(ours: ParamPrint, theirs: ParamPrint) -> tuple[str, tuple[int, int]
         return f"1 of {total} elements, at [{element[0]}, {element[1]}]", element
     if len(rows) == ours.shape[0] and len(cols) == ours.shape[1]:
         return f"every row and column of {total} elements", None
+    for axis, (differ, mine, other) in enumerate(
+        ((rows, ours.row_bytes, theirs.row_bytes), (cols, ours.col_bytes, theirs.col_bytes))
+    ):
+        if len(differ) and len(differ) < ours.shape[axis] and len((cols, rows)[axis]) == ours.shape[1 - axis]:
+            name = ("rows", "columns")[axis]
+            text = f"{name} {_listed(differ)} of {ours.shape[axis]} differ"
+            held = numpy.frombuffer(mine, dtype="<u8")
+            moved = [numpy.flatnonzero(held == value) for value in numpy.frombuffer(other, dtype="<u8")[differ]]
+            if all(len(found) for found in moved):  # a block loaded from the wrong place
+                text += f": they hold the reference's {name} {_listed(numpy.array([found[0] for found in moved]))}"
+            return text, None
     where = f"in rows {_listed(rows)} and columns {_listed(cols)}"
     return f"at most {len(rows) * len(cols)} of {total} elements, {where}", None
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from paritylab.comparison.alignment._fingerprints import _by_fingerprint
 from paritylab.comparison.alignment._fused import _by_parts
-from paritylab.comparison.alignment._pairs import Pair
+from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._rescue import _rescue
 from paritylab.comparison.alignment._result import Alignment, _alignment
 from paritylab.comparison.alignment._rules import Rule, _by_rule
@@ -197,7 +197,7 @@ def _pair_by_near_weights(state: _Pairing) -> None:
     """Modules whose weights are the reference's with a defect (:attr:`WeightLedger.module_pairs`): a weight scaled,
     an element changed, a table built from a wrong constant. The bug a module's weights carry must not cost it its
     pair, whatever its code is called; the calls of the two modules are paired in order."""
-    if not state.weights.module_pairs:
+    if not state.weights.module_pairs and not state.weights.part_pairs:
         return
     ref_calls_of: dict[str, list[int]] = {}
     for i in state.open_ref:
@@ -210,6 +210,11 @@ def _pair_by_near_weights(state: _Pairing) -> None:
         for i, j in zip(ref_calls_of.get(ref_path, ()), cand_calls_of.get(cand_path, ()), strict=False):
             ref, cand = state.ref_calls[i], state.cand_calls[j]
             state.fix(i, j, Pair(ref.key, cand.key, "weights", 1.0))
+    for ref_path, (cand_path, start, stop) in state.weights.part_pairs.items():
+        # the reference module's weight is a block of the candidate's fused one: that block of its output features
+        for i, j in zip(ref_calls_of.get(ref_path, ()), cand_calls_of.get(cand_path, ()), strict=False):
+            ref, cand = state.ref_calls[i], state.cand_calls[j]
+            state.fix(i, j, Pair(ref.key, cand.key, "weights", 1.0, candidate_part=Part(start=start, stop=stop)))
     state.close()
 
 
