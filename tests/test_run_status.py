@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from paritylab.sink.history import FINGERPRINT
 from paritylab.sink.publish import RunRecord, end_status, parity_name, publish, short_module
-from paritylab.sink.tracking import LOCAL_UI, Metric, MlflowTracker, runs_link
+from paritylab.sink.tracking import LOCAL_UI, Metric, MlflowTracker, run_link, runs_link
 from tests.helpers import migrated_store
 
 MODULE = "model.language_model.layers.1.mlp.down_proj"
@@ -94,12 +94,15 @@ def test_every_link_a_run_writes_opens_the_model_training_view(uri, tmp_path):
     experiment = run.info.experiment_id
     runs = runs_link(experiment)
     assert runs == f"#/experiments/{experiment}/runs?viewStateShareKey=paritylab&workflowType=machine_learning"
+    page = f"#/experiments/{experiment}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert run_link(experiment, run.info.run_id) == page
     # the console line: a local store's runs list where `mlflow ui` serves it, after the command that starts it
     assert tracker.link() == (
-        f"run {run.info.run_id}; start mlflow ui --backend-store-uri {uri} and open {LOCAL_UI}/{runs}"
+        f"start mlflow ui --backend-store-uri {uri} and open {LOCAL_UI}/{runs} (this run: {LOCAL_UI}/{page})"
     )
     tracker.uri = "http://mlflow.internal:5000/"
-    assert tracker.link() == f"run {run.info.run_id}: http://mlflow.internal:5000/{runs}"
+    server = "http://mlflow.internal:5000"
+    assert tracker.link() == f"{server}/{runs} (this run: {server}/{page})"
     # the run's description and the experiment's, each on its first line (before MLflow's "more")
     assert run.data.tags["mlflow.note.content"].split("\n")[0] == f"### paritylab: **fail** \u00b7 [runs list]({runs})"
     described = MlflowClient(uri).get_experiment(experiment).tags["mlflow.note.content"].split("\n")[0]

@@ -61,7 +61,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     # the experiment's description starts with its newest run, the sweep (its jobs counted in it): the line MLflow's
     # home page and the experiment's every view show
     described = client.get_experiment_by_name("nested").tags["mlflow.note.content"]
-    assert described.split("\n")[0] == f"{parent.info.run_name} (the newest run: 1 pass)"
+    assert described.split("\n")[0].startswith(f"{parent.info.run_name} (the newest run: 1 pass) \u00b7 [runs list](")
     assert parent.info.run_name.startswith("PASS sweep/") and parent.info.run_name.endswith(": 2 pass")
     tags = children[0].data.tags  # MLflow's own columns: user, source, type
     assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL" and "paritylab" in tags["mlflow.source.name"]

@@ -287,16 +287,19 @@ class MlflowTracker(Tracker):
             self._call("describe the experiment", self.client.set_experiment_tag, experiment_id, key, value)
 
     def link(self) -> str:
-        """Where to see the run: the experiment's runs list in MLflow's model-training view (:func:`runs_link`), the
-        run's name there saying its verdict and where divergence starts, a failing run marked failed. With a server,
-        its address; with a local store, the address ``mlflow ui`` serves it at, after the command to start it."""
+        """Where to see the run, in MLflow's model-training view: the experiment's runs list (:func:`runs_link`; the
+        run's name there says its verdict and where divergence starts, a failing run is marked failed), then the
+        run's own page. With a server, at its address; with a local store, where ``mlflow ui`` serves it, after the
+        command that starts it."""
         if self.run_id is None or self.experiment_id is None:
             return ""
-        if self.uri.startswith("http"):
-            return f"run {self.run_id}: {self.uri.rstrip('/')}/{runs_link(self.experiment_id)}"
+        server = self.uri.rstrip("/") if self.uri.startswith("http") else LOCAL_UI
+        runs, run = runs_link(self.experiment_id), run_link(self.experiment_id, self.run_id)
+        opened = f"{server}/{runs} (this run: {server}/{run})"
         return (
-            f"run {self.run_id}; start mlflow ui --backend-store-uri {self.uri} and open "
-            f"{LOCAL_UI}/{runs_link(self.experiment_id)}"
+            opened
+            if self.uri.startswith("http")
+            else f"start mlflow ui --backend-store-uri {self.uri} and open {opened}"
         )
 
     def runs_link(self) -> str:
@@ -413,6 +416,11 @@ divergence* (also in the runs list's *Views* menu).
 def runs_link(experiment_id: str) -> str:
     """The experiment's runs list in MLflow's model-training view, in paritylab's saved view (relative to the UI)."""
     return f"#/experiments/{experiment_id}/runs?viewStateShareKey={RUNS_VIEW}&workflowType=machine_learning"
+
+
+def run_link(experiment_id: str, run_id: str) -> str:
+    """A run's page in MLflow's model-training view (relative to the UI)."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def summary_line(summary: str, experiment_id: str) -> str:
