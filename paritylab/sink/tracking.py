@@ -135,6 +135,8 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(0, retries)))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bars inside sweep jobs
+        # MLflow's own "View run ... at" lines open the GenAI view: the link paritylab prints opens the training view
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(uri)
