@@ -520,7 +520,7 @@ def test_a_defect_on_one_rank_fails_the_run_naming_module_and_rank(tmp_path: Pat
     assert tags["paritylab.verdict"] == "fail" and tags["paritylab.first_divergence"] == module
     assert tags["paritylab.distributed.ranks"] == "1" and tags["paritylab.distributed.finding"] == "rank"
     assert params["candidate.world_size"] == "2" and params["candidate.options.defect"] == "rank1_scaled"
-    assert found.info.run_name.startswith("FAIL llama/tp") and found.info.run_name.endswith(f"@ {module}")
+    assert found.info.run_name.startswith("FAIL layers.1.mlp.down_proj @ llama/tp")  # the full path: its tag
 
 
 def test_the_command_line_names_a_pipeline_stage_s_hand_off_by_module_and_ranks(tmp_path: Path) -> None:

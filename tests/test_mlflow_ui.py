@@ -32,8 +32,17 @@ FAULTY = [
 ]
 """The port with one projection of layer 1 scaled: it fails, and divergence starts there."""
 FIRST_DIVERGENCE = "model.language_model.layers.1.mlp.down_proj"
+SHORT = "layers.1.mlp.down_proj"
+"""What the run's name says of it: its last two parts, the layer's number with its container."""
 
 
+STATUS_ICONS = {
+    "M6.94 8 4.97 6.03l1.06-1.06L8 6.94l1.97-1.97 1.06 1.06L9.06 8l1.97 1.97-1.06 1.06L8 9.06l-1.97 1.97-1.06-1.06z": (
+        "FAILED"  # a cross in a circle (red)
+    ),
+    "M11.53 6.53 7 11.06 4.47 8.53l1.06-1.06L7 8.94l3.47-3.47z": "FINISHED",  # a tick in a circle (green)
+}
+"""The first path of the status icon MLflow 3.17 draws in a run's *Created* cell, per status."""
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 
 
@@ -48,6 +57,8 @@ class Page(HTMLParser):
         self.text = ""
         """Every text the page shows, in order, separated by single spaces."""
         self._stack: list[tuple[str, str | None, str | None, str | None]] = []  # tag, href, row id, column id
+        self.statuses: dict[str, str] = {}
+        """Run id -> the status its *Created* cell's icon draws (:data:`STATUS_ICONS`)."""
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -61,6 +72,9 @@ class Page(HTMLParser):
             self.links.append((found.get("href") or "", ""))
         if row and column:
             self.cells.setdefault(row, {})[column] = ""
+        cell = next((item[3] for item in reversed(self._stack) if item[3]), None)
+        if tag == "path" and row and cell == "runDateAndNestInfo" and row not in self.statuses:
+            self.statuses[row] = STATUS_ICONS.get(found.get("d") or "", found.get("d") or "")
 
     def handle_data(self, data: str) -> None:
         self.text = " ".join(f"{self.text} {data}".split())
@@ -106,37 +120,41 @@ def _mlflow_before(major: int, minor: int) -> bool:
     reason="the page is read as MLflow 3.17's UI lays out its runs list (a saved view by link); older UIs differ "
     "(under MLflow 3.9 a run's link was not in the page read): the run names and tags are tested on every version",
 )
-def test_the_runs_list_shows_each_runs_verdict_and_first_divergence_with_nothing_set_up(tmp_path, mlflow_server):
+def test_the_printed_link_opens_the_training_runs_table_with_the_failing_run_marked_failed(tmp_path, mlflow_server):
     experiment = f"ui-{uuid.uuid4().hex[:8]}"
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={experiment}", "compare.replay=false"]
     passing = run(compose(common), fresh_directory(str(tmp_path / "run")), echo=lambda _: None)
-    failing = run(compose([*common, *FAULTY]), fresh_directory(str(tmp_path / "run")), echo=lambda _: None)
+    said: list[str] = []
+    failing = run(compose([*common, *FAULTY]), fresh_directory(str(tmp_path / "run")), echo=said.append)
     assert (passing.exit_code, failing.exit_code) == (EXIT_PASS, EXIT_FAIL)
     found = MlflowClient(mlflow_server).get_experiment_by_name(experiment)
-    assert found.tags["mlflow.experimentKind"] == "custom_model_development"  # the kind MLflow 3 UIs may open on
-
-    # MLflow 3.17 opens an experiment on the view its sidebar switch chose (GenAI, in a fresh browser): the
-    # description, on top of every view, links to the runs list, in the model-training view and paritylab's view.
     runs_list = runs_link(found.experiment_id)
-    landing = render(f"{mlflow_server}/#/experiments/{found.experiment_id}", runs_list)
-    assert runs_list in [href for href, _ in landing.links]
-    # The description's first line is the newest run, its verdict and where divergence starts, and the verdicts
-    # of the newest runs: on that view, and on the page `mlflow ui` opens on (its home page's recent experiments).
-    newest = f"FAIL llava/port seed=0 @ {FIRST_DIVERGENCE} (the newest of 2 runs: 1 fail, 1 pass)"
-    assert found.tags["mlflow.note.content"].split("\n")[0] == newest
-    assert newest in landing.text
-    home = render(f"{mlflow_server}/", newest, in_text=True)
-    assert experiment in [text for _, text in home.links] and newest in home.text
+    # the console's line: the runs list in the model-training view, then the run's own page
+    (line,) = [line for line in said if line.startswith("paritylab: logged to MLflow: ")]
+    printed = line.removeprefix("paritylab: logged to MLflow: ").split()[0]
+    assert printed == f"{mlflow_server}/{runs_list}" and "workflowType=machine_learning" in printed
 
-    # There, with no column set up, each run's name says its verdict and where divergence starts; the view's
-    # columns say them again, the first divergence in full.
-    page = render(f"{mlflow_server}/{runs_list}", FIRST_DIVERGENCE)
-    names = {href.rsplit("/", 1)[-1]: text for href, text in page.links}
+    # Opened on a fresh profile: the training view's runs table (not the GenAI overview), each name saying its
+    # verdict and where divergence starts, the failing run marked failed, its origin in full in its column.
+    page = render(printed, FIRST_DIVERGENCE)
+    names = {href.rsplit("/", 1)[-1].split("?")[0]: text for href, text in page.links}
     assert names[passing.run_id] == "PASS llava/port seed=0"
-    assert names[failing.run_id] == f"FAIL llava/port seed=0 @ {FIRST_DIVERGENCE}"
+    assert names[failing.run_id] == f"FAIL {SHORT} @ llava/port seed=0"
     columns = ("tags.`paritylab.verdict`", "tags.`paritylab.first_divergence`")
     assert [page.cells[failing.run_id][column] for column in columns] == ["fail", FIRST_DIVERGENCE]
     assert [page.cells[passing.run_id][column] for column in columns] == ["pass", "none"]
+    statuses = {run_id: page.statuses.get(run_id) for run_id in (passing.run_id, failing.run_id)}
+    assert statuses == {passing.run_id: "FINISHED", failing.run_id: "FAILED"}, statuses
+    assert MlflowClient(mlflow_server).get_run(failing.run_id).info.status == "FAILED"
+
+    # The experiment opened without the link (MLflow 3.17's GenAI overview in a fresh browser): the description's
+    # first line, the newest run and the verdicts, links to the same runs list.
+    newest = f"FAIL {SHORT} @ llava/port seed=0 (the newest of 2 runs: 1 fail, 1 pass)"
+    assert found.tags["mlflow.note.content"].split("\n")[0] == f"{newest} \u00b7 [runs list]({runs_list})"
+    landing = render(f"{mlflow_server}/#/experiments/{found.experiment_id}", runs_list)
+    assert runs_list in [href for href, _ in landing.links] and newest in landing.text
+    home = render(f"{mlflow_server}/", newest, in_text=True)
+    assert experiment in [text for _, text in home.links] and newest in home.text
 
 
 def test_a_run_name_starts_with_its_verdict_and_keeps_what_tells_jobs_apart():

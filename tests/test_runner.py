@@ -23,6 +23,7 @@ from paritylab.comparison.report import compare_traces
 from paritylab.reports.render import headline
 from paritylab.run.config import fresh_directory
 from paritylab.run.runner import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, run
+from paritylab.sink.tracking import runs_link
 from tests.helpers import migrated_store, parity_runs
 
 
@@ -132,7 +133,7 @@ def test_bf16_is_flagged_under_fp32_tolerances(tmp_path):
                               "compare.noise_floor=off", "compare.replay=false")  # fmt: skip
     assert strict.exit_code == EXIT_FAIL
     run_data = client.get_run(strict.run_id)
-    assert run_data.info.status == "FINISHED" and run_data.data.tags["paritylab.verdict"] == "fail"
+    assert run_data.info.status == "FAILED" and run_data.data.tags["paritylab.verdict"] == "fail"  # red in MLflow
     assert run_data.data.tags["paritylab.first_divergence"] != "none"
     # a failing run uploads its tensors (tracking.log_tensors=on_failure), bit-exact
     artifacts = Path(client.download_artifacts(strict.run_id, "", str(tmp_path / "downloaded")))
@@ -470,14 +471,15 @@ def test_the_experiment_description_leads_with_the_newest_run_and_keeps_what_a_p
     first = one("tracking.experiment=ours")
     experiment = client.get_experiment_by_name("ours")
     lines = experiment.tags["mlflow.note.content"].split("\n")
-    assert lines[0] == f"{client.get_run(first.run_id).info.run_name} (the newest run: 1 pass)"
+    link = f" \u00b7 [runs list]({runs_link(experiment.experiment_id)})"
+    assert lines[0] == f"{client.get_run(first.run_id).info.run_name} (the newest run: 1 pass){link}"
     assert lines[2].startswith("**paritylab: [the runs list]")  # paritylab's own text below it
     client.set_experiment_tag(experiment.experiment_id, "mlflow.note.content", f"{lines[0]}\n\nour notes")
     second = one("tracking.experiment=ours", "candidate=sdpa")
     described = client.get_experiment_by_name("ours").tags["mlflow.note.content"]
     newest = client.get_run(second.run_id).info.run_name
     assert newest == "PASS llava/sdpa seed=0"
-    assert described == f"{newest} (the newest of 2 runs: 2 pass)\n\nour notes"
+    assert described == f"{newest} (the newest of 2 runs: 2 pass){link}\n\nour notes"
 
     theirs = client.create_experiment("theirs", tags={"mlflow.note.content": "team notes"})
     one("tracking.experiment=theirs")

@@ -61,7 +61,7 @@ def test_sweep_over_http_nests_jobs_under_a_parent(tmp_path, mlflow_server):
     # the experiment's description starts with its newest run, the sweep (its jobs counted in it): the line MLflow's
     # home page and the experiment's every view show
     described = client.get_experiment_by_name("nested").tags["mlflow.note.content"]
-    assert described.split("\n")[0] == f"{parent.info.run_name} (the newest run: 1 pass)"
+    assert described.split("\n")[0].startswith(f"{parent.info.run_name} (the newest run: 1 pass) \u00b7 [runs list](")
     assert parent.info.run_name.startswith("PASS sweep/") and parent.info.run_name.endswith(": 2 pass")
     tags = children[0].data.tags  # MLflow's own columns: user, source, type
     assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL" and "paritylab" in tags["mlflow.source.name"]
@@ -172,12 +172,14 @@ def test_regression_gate_names_the_layer_and_unchanged_rerun_passes(tmp_path, mo
     assert not any(a.path.endswith(".safetensors") for a in _artifacts(client, golden.info.run_id))  # passed
     (trend,) = [r for r in runs_of(client, experiment) if r.data.tags.get("paritylab.trend") == "true"]
     # named and tagged by its newest night: it regressed, at layer 1
-    assert trend.info.run_name.startswith("REGRESSED trend/llava/port/synthetic-seed-0 @ model.language_model.layers.1")
+    assert trend.info.run_name.startswith("REGRESSED layers.1")
+    assert trend.info.run_name.endswith(" @ trend/llava/port/synthetic-seed-0")
     assert trend.data.tags["paritylab.verdict"] == "regressed"
     # the experiment's description starts with the newest night; the trend run's nights are counted once each
     described = client.get_experiment_by_name(experiment).tags["mlflow.note.content"].split("\n")[0]
-    assert described == f"{newest.info.run_name} (the newest of 3 runs: 1 regressed, 2 pass)"
-    assert newest.info.run_name.startswith("REGRESSED llava/port seed=0")
+    assert described.startswith(f"{newest.info.run_name} (the newest of 3 runs: 1 regressed, 2 pass) \u00b7 [runs")
+    assert newest.info.run_name.startswith("REGRESSED layers.1") and " @ llava/port seed=0" in newest.info.run_name
+    assert newest.info.status == "FAILED"  # a regression exits 1: red in the runs list, its verdict tag still pass
     history = client.get_metric_history(trend.info.run_id, "layer/model.language_model.layers.1/rel_l2")
     starts = sorted(r.info.start_time for r in parity_runs_named(client, experiment))
     assert [m.step for m in history] == [1, 2, 3]

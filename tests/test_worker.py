@@ -37,7 +37,7 @@ def test_a_run_logged_from_a_child_process_is_the_run_logged_inline(tmp_path):
         result = run(compose(overrides, str(user_configs)), tmp_path / process, echo=lambda _: None)
         assert result.exit_code == 1 and result.tracking_error is None  # the planted scale fails parity
         mlflow_run = client.get_run(result.run_id)
-        assert mlflow_run.info.status == "FINISHED"
+        assert mlflow_run.info.status == "FAILED"  # the planted scale fails: red
         assert json.loads((tmp_path / process / "run.json").read_text())["run_id"] == result.run_id
         metrics = {key: value for key, value in mlflow_run.data.metrics.items() if not key.startswith("seconds/")}
         artifacts = {item.path for item in client.list_artifacts(result.run_id, "candidate")}

@@ -259,8 +259,29 @@ def operation_line(report: Report) -> str | None:
 
 
 def _md_escape(text: str) -> str:
-    """Markdown table text: no raw HTML (MLflow renders descriptions), pipes and backticks neutralised."""
+    """Markdown text: no raw HTML (MLflow renders descriptions): ``<``, ``>`` and ``&`` as entities, which GitHub's
+    markdown and MLflow's (showdown, which ignores a backslash before ``<``) both show as the characters; pipes
+    and backticks neutralised. Module names go in code spans instead (:func:`_md_code`), where an entity would
+    show as written."""
     return html.escape(text, quote=False).replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+def _md_code(text: str, in_table: bool = False) -> str:
+    """``text`` as a markdown code span: shown exactly as written (no HTML inside one), backticks as ``'``; in a
+    table, ``|`` escaped (GFM reads a cell's pipes before its code spans)."""
+    text = text.replace("`", "'").replace("\n", " ")
+    if in_table:
+        text = text.replace("|", "\\|")
+    return f"`{text}`"
+
+
+def _md_cells(row: Row) -> list[str]:
+    """A row's cells in a markdown table: the module names as code spans, the rest as text."""
+    cells = _cells(row)
+    return [
+        _md_code(cell, True) if column in (1, 2) and cell != "-" else _md_escape(cell)
+        for column, cell in enumerate(cells)
+    ]
 
 
 def to_markdown(report: Report, limit: int | None = 200) -> str:
@@ -273,13 +294,13 @@ def to_markdown(report: Report, limit: int | None = 200) -> str:
     if report.whole_graph:
         lines += [_md_escape(str(report.whole_graph.get("message"))), ""]
     if report.origins:
-        lines.append("Origins: " + ", ".join(f"`{_md_escape(display_path(r.path))}`" for r in report.origins))
+        lines.append("Origins: " + ", ".join(_md_code(display_path(r.path)) for r in report.origins))
         lines.append("")
     lines.append("| " + " | ".join(_COLUMNS) + " |")
     lines.append("|" + "---|" * len(_COLUMNS))
     rows = [row for row in report.rows if row.status != "unmatched"]
     for row in rows[:limit]:
-        lines.append("| " + " | ".join(_md_escape(cell) for cell in _cells(row)) + " |")
+        lines.append("| " + " | ".join(_md_cells(row)) + " |")
     if limit is not None and len(rows) > limit:
         lines.append(f"| … | {len(rows) - limit} more rows | | | | | | | | |")
     lines.append("")

@@ -8,6 +8,7 @@ Configs with ``_target_`` import and run code: trust them as you trust code.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib
 import importlib.resources
@@ -486,8 +487,11 @@ def check_target(key: str, node: Any, allowed_extra: tuple[str, ...] = ()) -> No
         return
     unknown = sorted(set(node) - {"_target_", "_partial_", "_recursive_", "_convert_"} - set(parameters))
     if unknown:
-        known = ", ".join(name for name in parameters if name not in allowed_extra)
-        raise ConfigError(f"{key}.{unknown[0]}: {node['_target_']} takes no argument {unknown[0]!r}; it takes: {known}")
+        names = [name for name in parameters if name not in allowed_extra]
+        close = difflib.get_close_matches(unknown[0], names, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        said = f"{key}.{unknown[0]}: {node['_target_']} takes no argument {unknown[0]!r}{hint}"
+        raise ConfigError(f"{said}; it takes: {', '.join(names)}")
 
 
 def resolve_target(key: str, dotted: str) -> Any:

@@ -111,6 +111,14 @@ def explain(error: BaseException, cfg: DictConfig | None, groups: Mapping[str, l
 def _unknown(key: str, known: set[str]) -> str:
     if is_open(key):  # a key of an open section that is not there yet: Hydra adds it only with +
         section = next(name for name in OPEN_SECTIONS if key == name or key.startswith(name + "."))
+        parent, _, name = key.rpartition(".")
+        siblings = sorted(other.rpartition(".")[2] for other in known if other.rpartition(".")[0] == parent)
+        close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.75)
+        if close:  # a typo of an argument the section has (model.build.layrs: layers), not a new one
+            return (
+                f"{key} is not set (did you mean {parent}.{close[0]}?); a new argument is added with "
+                f"+{key}=<value> ({section} takes any key)"
+            )
         return f"{key} is not set yet: add it with +{key}=<value> ({section} takes any key)"
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
     hint = f" (did you mean {close[0]}?)" if close else ""

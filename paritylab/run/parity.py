@@ -471,6 +471,8 @@ def check(
     replay: bool = True,
     cast_inputs: Callable[[torch.dtype], Call] | None = None,
     whole_graph: bool = True,
+    drilldown: bool = True,
+    echo: Callable[[str], None] | None = print,
 ) -> ParityResult:
     """Trace both models, compare them module by module and name where divergence starts.
 
@@ -480,7 +482,9 @@ def check(
     reference is also replayed lifted (:func:`lift`: its code in float32 with its own weights), so errors under
     the precision's rounding are found too. A ``torch.compile`` candidate is also run
     once untraced, as one graph (:mod:`paritylab.run.whole_graph`; ``whole_graph=False`` skips it, and the
-    result is then inconclusive at best).
+    result is then inconclusive at best). When parity fails, the module where divergence starts is opened
+    (:func:`drill_into_origin`, as the command line does; ``drilldown=False`` skips it). The findings are printed
+    as the command line prints them, the table and the "inside <module>: ..." line (``echo=None``: nothing).
     """
     directory = Path(directory)
     candidate_call = candidate_call or reference_call
@@ -498,7 +502,7 @@ def check(
         candidate=candidate, directory=directory, noise_floor=noise_floor, rules=rules, tolerances=tolerances,
         noise_multiple=noise_multiple,
     )  # fmt: skip
-    report = free_run
+    report, lifted = free_run, None
     if replay and not free_run.errors and free_run.alignment.pairs:
         lifted = lift(
             reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace,
@@ -510,7 +514,60 @@ def check(
             noise_floor=noise_floor,
         )  # fmt: skip
     report = judge_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace, whole_graph)
+    if drilldown:
+        report = drill_into_origin(
+            report, reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, lifted,
+            echo=echo,
+        )  # fmt: skip
+    if echo is not None:
+        from paritylab.reports.render import to_console
+
+        echo(to_console(report))
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
+
+
+def drill_into_origin(
+    report: Report,
+    reference: nn.Module,
+    reference_call: Call,
+    candidate: nn.Module,
+    candidate_call: Call,
+    reference_trace: Trace,
+    candidate_trace: Trace,
+    lifted: LiftedReplay | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> Report:
+    """``report`` with, inside the module where divergence starts, the first operation that differs (both sides
+    run that module once more, the candidate teacher-forced: :func:`~paritylab.comparison.drilldown.drill_into`),
+    in its ``drilldown``; an origin the lifted replay found is opened in the lifted copies. A report that passes,
+    or whose origin has no counterpart, is returned as it is; so is one whose drill-down raised (``echo`` says
+    why: the verdict stands without it)."""
+    from paritylab.comparison.drilldown import drill_into
+    from paritylab.comparison.replay import teacher_forcing
+    from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
+
+    first = report.first_divergence
+    if report.passed or first is None or first.candidate is None or first.status != "compared":
+        return report
+    key, forced_on = first.candidate.key, reference_trace
+    dtype, own = first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2)
+    try:
+        if lifted is not None and first.local.get("lifted_diverged"):
+            low, made, copies = getattr(torch, lifted.dtype), lifted.made_with, lifted.copies
+            (reference, reference_call), (candidate, candidate_call) = (
+                lifted_reference_side(reference, reference_call, low, made, copies, reference_trace.uncalled),
+                lifted_candidate_side(candidate, candidate_call, low, made, copies, candidate_trace.uncalled),
+            )
+            forced_on, dtype, own = lifted.reference, "float32", first.local.get("lifted_rel_l2", own)
+        found = drill_into(
+            reference, reference_call, first.reference.key, candidate, candidate_call, key,
+            lambda model: teacher_forcing(model, forced_on, candidate_trace, report.alignment, within=key), dtype, own,
+        )  # fmt: skip
+    except Exception as failure:  # evidence on top of the verdict: its failure must not lose the verdict
+        if echo is not None:
+            echo(f"paritylab: the drill-down into {first.path} failed: {type(failure).__name__}: {failure}")
+        return report
+    return replace(report, drilldown=found.to_dict())
 
 
 def compare_and_replay(

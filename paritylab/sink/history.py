@@ -5,7 +5,8 @@ comparison" (the model's and the candidate's build configuration, the inputs, th
 comparison settings), so a sweep over a build argument, a dtype override or other tolerances never compares
 against another pair's baseline. ``paritylab.pair`` (``model/candidate``) is for people. A run's baseline is
 the newest run promoted with ``paritylab-promote RUN_ID`` (tag ``paritylab.baseline=golden``), else
-the previous finished, passing run of the pair. Each layer's relative error is compared with the
+the newest run of the pair that was judged (its ``paritylab.verdict`` pass or fail: the verdict, not the run's
+status, says it, since a failing run ends FAILED). Each layer's relative error is compared with the
 baseline's: it *regressed* when ``error > factor × baseline + floor`` (the absolute floor keeps changes at
 noise level from firing), or when it is NaN/Inf where the baseline's was finite; it *improved* when
 ``error × factor + floor < baseline``.
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 PAIR = "paritylab.pair"
 FINGERPRINT = "paritylab.fingerprint"
+UNFINISHED = ("running", "error", "interrupted", "none")
+"""Verdicts of a run that did not finish its comparison: never a baseline, even forced."""
 BASELINE = "paritylab.baseline"
 TREND = "paritylab.trend"
 LAYER_PREFIX = "layer/"
@@ -145,9 +148,11 @@ def promotable(run: StoredRun) -> tuple[str | None, bool]:
         return "it is a trend run, not a parity run", False
     if not tags.get(PAIR) or not tags.get(FINGERPRINT):
         return f"it is not a paritylab parity run (no {PAIR} / {FINGERPRINT} tags)", False
-    if run.status != "FINISHED":
-        return f"it did not finish (status {run.status})", False
     verdict = tags.get("paritylab.verdict", "none")
+    if run.status not in ("FINISHED", "FAILED"):  # a FAIL ends FAILED (the verdict tells it from an error)
+        return f"it did not finish (status {run.status})", False
+    if verdict in UNFINISHED:
+        return f"it did not finish (verdict {verdict!r})", False
     if verdict != "pass":  # the reason a person needs first
         if not layer_errors(run.metrics):
             return f"its verdict is {verdict!r}, not 'pass', and it has no per-layer metrics to compare against", False

@@ -21,7 +21,15 @@ from paritylab.reports.plots import trend_heatmap
 from paritylab.sink.history import FINGERPRINT, TREND, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
 from paritylab.sink.store import RUN_UID, TREND_STEPS, Store
-from paritylab.sink.tracking import Metric, MlflowTracker, Tracker, TrackingError, log10_for_charts, metric_key
+from paritylab.sink.tracking import (
+    NOTE,
+    Metric,
+    MlflowTracker,
+    Tracker,
+    TrackingError,
+    log10_for_charts,
+    metric_key,
+)
 from paritylab.tracing.files import UPLOADED_FILE, WITHHELD_FILE, check_directory, write_json
 
 RECORD_FILE = "tracking.json"
@@ -87,16 +95,26 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     tracker.log_metrics(record.metrics)
     if record.table is not None:
         tracker.log_table(record.table, "comparison_table.json")
-    tracker.set_tags({**record.tags, **_judged_name(record, regression)})
+    tracker.set_tags({**record.tags, **_linked(tracker, record.tags), **_judged_name(record, regression)})
     if store is not None and regression is not None and TREND_RUN in record.tags:
         _label_trend(tracker, store, record, regression)
     copied = log_directory(tracker, directory, record.log_tensors)
     tracker.set_tags({PUBLISHED: "true"})
-    tracker.end(record.status)
+    tracker.end(_final_status(record, regression))
     summarise_experiment(tracker)
     if not record.keep_local:
         drop_local_copies(tracker, directory, copied)
     return regression
+
+
+def _linked(tracker: Tracker, tags: Mapping[str, str]) -> dict[str, str]:
+    """The run's description with, on its first line, a link to the experiment's runs list in MLflow's
+    model-training view (:func:`paritylab.sink.tracking.runs_link`)."""
+    note, link = tags.get(NOTE), tracker.runs_link()
+    if not note or not link:
+        return {}
+    first, _, rest = note.partition("\n")
+    return {NOTE: f"{first} \u00b7 [runs list]({link})\n{rest}"}
 
 
 def verdict_label(verdict: str, regression: str | None = None, status: str = "FINISHED") -> str:
@@ -108,6 +126,35 @@ def verdict_label(verdict: str, regression: str | None = None, status: str = "FI
     if verdict == "pass" and regression == "regressed":
         return "REGRESSED"
     return verdict.upper()
+
+
+def end_status(verdict: str, regression: str | None = None, status: str = "FINISHED") -> str:
+    """The status a judged run ends with in MLflow, as ``mlflow run`` ends a command by its exit code, so the runs
+    list shows a failure red: ``FAILED`` for a fail or a regression (exit 1) and an error (exit 2), ``FINISHED`` for
+    a pass or an inconclusive run, ``KILLED`` for an interrupted one. ``paritylab.verdict`` still tells them apart:
+    baselines, trends, promotion and sweeps read that tag, never the status."""
+    return END_STATUS[outcome(verdict, regression, status)]
+
+
+END_STATUS = {
+    "pass": "FINISHED",
+    "inconclusive": "FINISHED",
+    "fail": "FAILED",
+    "regressed": "FAILED",
+    "error": "FAILED",
+    "interrupted": "KILLED",
+}
+"""The MLflow status of each outcome (:func:`end_status`)."""
+
+
+def _final_status(record: RunRecord, regression: Regression | None) -> str:
+    """The MLflow status ``record``'s run ends with: by its verdict (:func:`end_status`); a record of no parity run
+    (no verdict) ends with the status it holds."""
+    verdict = record.tags.get("paritylab.verdict")
+    if verdict is None:
+        return record.status
+    judged = regression.verdict if regression is not None else record.tags.get("paritylab.regression")
+    return end_status(verdict, judged, record.status)
 
 
 def outcome(verdict: str, regression: str | None = None, status: str = "FINISHED") -> str:
@@ -173,17 +220,44 @@ def display_name(label: str, base: str, where: str | None = None, separator: str
 
 
 def parity_name(base: str, tags: Mapping[str, str], status: str, regressed: list[str] | None = None) -> str:
-    """A parity run's name once judged: ``FAIL llava/port seed=0 @ model.language_model.layers.1.mlp.down_proj``,
-    ``REGRESSED ... @ <first regressed layer> (+N)``, ``PASS llava/port seed=0``."""
+    """A parity run's name once judged, short enough for MLflow's default run name column: the verdict, then the
+    last two parts of the module where divergence starts (a layer's number with its container), then ``@`` what
+    ran: ``FAIL layers.1.mlp.down_proj @ llava/port seed=0``, ``REGRESSED layers.1 (+1) @ llava/port seed=0`` (the
+    first regressed layer), ``PASS llava/port seed=0``. The full path is the tag ``paritylab.first_divergence``
+    (and the run's description)."""
     regression = tags.get("paritylab.regression")
     label = verdict_label(tags.get("paritylab.verdict", "error"), regression, status)
     first = tags.get("paritylab.first_divergence", "none")
-    where = None if first == "none" else first
+    where = None if first == "none" else short_module(first)
     if where is None and regression == "regressed":
         layers = regressed if regressed is not None else _listed(tags.get("paritylab.regressed_layers", "none"))
         if layers:
-            where = layers[0] + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
-    return display_name(label, base, where)
+            where = short_module(layers[0]) + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
+    if where is None:
+        return f"{label} {base}"[:MAX_NAME]
+    if len(where) > MAX_WHERE:
+        where = f"\u2026{where[-(MAX_WHERE - 1) :]}"
+    name = f"{label} {where} @ {base}"
+    return name if len(name) <= MAX_NAME else f"{name[: MAX_NAME - 1]}\u2026"
+
+
+MAX_WHERE = 80
+"""The most characters of a module's name in a run's name (cut from the left: its end names the module)."""
+
+
+def short_module(path: str) -> str:
+    """The last two parts of a module's dotted path, a layer's number kept with its container:
+    ``model.language_model.layers.1.mlp.down_proj`` -> ``layers.1.mlp.down_proj``, ``...layers.1`` ->
+    ``layers.1``, ``...vision_tower.encoder.layers.0.self_attn`` -> ``layers.0.self_attn``; a decode step's
+    ``step3/model.layers.0.mlp`` -> ``step3/layers.0.mlp``."""
+    step, _, path = path.rpartition("/")
+    parts = path.split(".")
+    start = max(0, len(parts) - 2)
+    if start > 0 and parts[start].isdigit():
+        start -= 1
+    elif start > 1 and parts[start - 1].isdigit():
+        start -= 2
+    return f"{step.rsplit('/', 1)[-1]}/" * bool(step) + ".".join(parts[start:])
 
 
 def _listed(text: str) -> list[str]:

@@ -22,6 +22,11 @@ RUN_UID = "paritylab.run_uid"
 """A run directory's identity in the store: an upload finds the run a live run already made (and finishes it)."""
 TREND_STEPS = "paritylab.trend_steps"
 SWEEPS = "paritylab.sweeps"
+JUDGED = ("pass", "fail")
+"""The verdicts of a run that can be a pair's baseline when none is promoted."""
+ENDED = "attributes.status != 'RUNNING' and attributes.status != 'KILLED'"
+"""A run that ended on its own (a FAIL ends FAILED, see :func:`paritylab.sink.publish.end_status`): not RUNNING, not
+KILLED."""
 
 
 @dataclass(frozen=True)
@@ -107,17 +112,21 @@ class MlflowStore:
 
     def find_baseline(self, fingerprint: str, exclude: str | None = None) -> StoredRun | None:
         scope = f"tags.`{FINGERPRINT}` = '{_quote(fingerprint)}'"
-        for condition, judged in (
-            (f" and tags.`{BASELINE}` = 'golden'", False),
-            (" and attributes.status = 'FINISHED'", True),
-        ):
-            newest_first = self._search(
-                "find the baseline", scope + condition, 20, order_by=["attributes.start_time DESC"]
-            )
-            found = next((run for run in newest_first if usable_baseline(run, exclude, judged)), None)
-            if found is not None:
-                return found
-        return None
+        golden = self._newest(scope + f" and tags.`{BASELINE}` = 'golden'")
+        found = next((run for run in golden if usable_baseline(run, exclude, judged=False)), None)
+        if found is not None:
+            return found
+        # judged by the verdict tag, not the status (a failing run ends FAILED): pass or fail, never one still open
+        judged = [
+            run
+            for verdict in JUDGED
+            for run in self._newest(f"{scope} and tags.`paritylab.verdict` = '{verdict}' and {ENDED}")
+        ]
+        judged.sort(key=lambda run: run.start_ms, reverse=True)
+        return next((run for run in judged if usable_baseline(run, exclude, judged=True)), None)
+
+    def _newest(self, filter_string: str) -> list[StoredRun]:
+        return self._search("find the baseline", filter_string, 20, order_by=["attributes.start_time DESC"])
 
     def download(self, run_id: str, artifact: str, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)

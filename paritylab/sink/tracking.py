@@ -112,6 +112,10 @@ class Tracker:
     def link(self) -> str:
         return ""
 
+    def runs_link(self) -> str:
+        """The experiment's runs list, relative to MLflow's UI (``#/experiments/...``); empty: none."""
+        return ""
+
     def store(self) -> Store | None:
         """The store behind this tracker (baselines, trend runs, stale runs); ``None``: no store, no history."""
         return None
@@ -131,6 +135,8 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(0, retries)))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bars inside sweep jobs
+        # MLflow's own "View run ... at" lines open the GenAI view: the link paritylab prints opens the training view
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(uri)
@@ -277,18 +283,33 @@ class MlflowTracker(Tracker):
             return  # an experiment paritylab did not make keeps its description
         previous = tags.get(SUMMARY, "")
         rest = note[len(previous) :].lstrip("\n") if previous and note.startswith(previous) else note
-        description = f"{summary}\n\n{rest or experiment_description(experiment_id)}"
-        for key, value in ((NOTE, description), (SUMMARY, summary)):
+        line = summary_line(summary, experiment_id)
+        description = f"{line}\n\n{rest or experiment_description(experiment_id)}"
+        for key, value in ((NOTE, description), (SUMMARY, line)):
             self._call("describe the experiment", self.client.set_experiment_tag, experiment_id, key, value)
 
     def link(self) -> str:
-        if self.run_id is None:
+        """Where to see the run, in MLflow's model-training view: the experiment's runs list (:func:`runs_link`; the
+        run's name there says its verdict and where divergence starts, a failing run is marked failed), then the
+        run's own page. With a server, at its address; with a local store, where ``mlflow ui`` serves it, after the
+        command that starts it."""
+        if self.run_id is None or self.experiment_id is None:
             return ""
-        if self.uri.startswith("http"):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"mlflow ui --backend-store-uri {self.uri}  (run {self.run_id})"
+        server = self.uri.rstrip("/") if self.uri.startswith("http") else LOCAL_UI
+        runs, run = runs_link(self.experiment_id), run_link(self.experiment_id, self.run_id)
+        opened = f"{server}/{runs} (this run: {server}/{run})"
+        return (
+            opened
+            if self.uri.startswith("http")
+            else f"start mlflow ui --backend-store-uri {self.uri} and open {opened}"
+        )
+
+    def runs_link(self) -> str:
+        return runs_link(self.experiment_id) if self.experiment_id is not None else ""
 
 
+LOCAL_UI = "http://127.0.0.1:5000"
+"""Where ``mlflow ui`` serves a local store by default."""
 LINKABLE = (".safetensors",)
 """Files written once under a new name and renamed into place (``os.replace``): a hard link to them never
 changes when a later run writes the same name. (Reports are rewritten in place: they are copied.)"""
@@ -371,18 +392,21 @@ def runs_view(now_ms: int | None = None) -> str:
     return json.dumps({**view, "state": json.dumps(state)})
 
 
-EXPERIMENT_DESCRIPTION = """**paritylab: [the runs list]({runs})**, each run named by its verdict, what ran and where \
-divergence starts: `FAIL llava/port seed=0 @ model.language_model.layers.1.mlp.down_proj`.
+EXPERIMENT_DESCRIPTION = """**paritylab: [the runs list]({runs})**, each run named by its verdict, where divergence \
+starts and what ran: `FAIL layers.1.mlp.down_proj @ llava/port seed=0`; a run that fails or errors is marked failed.
 
 **paritylab** checks that a candidate (a port, a dtype, an attention kernel, torch.compile) computes what its
 reference computes, module by module. MLflow 3 opens an experiment on its GenAI overview unless the sidebar's
-*Model training* switch is on (the browser remembers it); the link above opens the runs list either way, in the
-view *paritylab: verdict and first divergence* (also in the runs list's *Views* menu).
+*Model training* switch is on (the browser remembers it); the links here and those paritylab prints open the
+model-training view either way (`?workflowType=machine_learning`), in the view *paritylab: verdict and first
+divergence* (also in the runs list's *Views* menu).
 
 - A run's name starts with its verdict: PASS, FAIL, INCONCLUSIVE, ERROR, INTERRUPTED, or REGRESSED (parity holds
-  but a layer's error grew past its baseline's); then `model/candidate seed=N` and what else was overridden; then
-  `@` the module where divergence starts (or the first regressed layer). The same as tags: `paritylab.verdict`,
-  `paritylab.first_divergence`, `paritylab.regression`.
+  but a layer's error grew past its baseline's); then the last two parts of the module where divergence starts
+  (or of the first regressed layer); then `@ model/candidate seed=N` and what else was overridden. The same as
+  tags, the module in full: `paritylab.verdict`, `paritylab.first_divergence`, `paritylab.regression`.
+- A run that fails, regresses or errors ends FAILED (red), one that passes or is inconclusive FINISHED, an
+  interrupted one KILLED; its verdict tag tells a failure from an error.
 - Sweep parents are named `VERDICT sweep/N: <jobs per verdict>` (FAILED when a job failed, regressed or
   errored) and fold their jobs; `VERDICT trend/<pair>/<inputs>` runs hold one point per scheduled night of each
   layer's error, and say what the newest night said.
@@ -394,6 +418,17 @@ view *paritylab: verdict and first divergence* (also in the runs list's *Views* 
 def runs_link(experiment_id: str) -> str:
     """The experiment's runs list in MLflow's model-training view, in paritylab's saved view (relative to the UI)."""
     return f"#/experiments/{experiment_id}/runs?viewStateShareKey={RUNS_VIEW}&workflowType=machine_learning"
+
+
+def run_link(experiment_id: str, run_id: str) -> str:
+    """A run's page in MLflow's model-training view (relative to the UI)."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def summary_line(summary: str, experiment_id: str) -> str:
+    """The description's first line, the part MLflow shows before its *more*: ``summary`` (the newest run and the
+    verdicts of the newest runs) and a link to the runs list (:func:`runs_link`)."""
+    return f"{summary} \u00b7 [runs list]({runs_link(experiment_id)})"
 
 
 def experiment_description(experiment_id: str) -> str:
