@@ -536,12 +536,13 @@ def drill_into_origin(
     candidate_trace: Trace,
     lifted: LiftedReplay | None = None,
     echo: Callable[[str], None] | None = None,
+    notes: list[str] | None = None,
 ) -> Report:
     """``report`` with, inside the module where divergence starts, the first operation that differs (both sides
     run that module once more, the candidate teacher-forced: :func:`~paritylab.comparison.drilldown.drill_into`),
     in its ``drilldown``; an origin the lifted replay found is opened in the lifted copies. A report that passes,
     or whose origin has no counterpart, is returned as it is; so is one whose drill-down raised (``echo`` says
-    why: the verdict stands without it)."""
+    why: the verdict stands without it). ``notes`` (the command line's run notes) gains what the drill-down noted."""
     from paritylab.comparison.drilldown import drill_into
     from paritylab.comparison.replay import teacher_forcing
     from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
@@ -559,6 +560,8 @@ def drill_into_origin(
                 lifted_candidate_side(candidate, candidate_call, low, made, copies, candidate_trace.uncalled),
             )
             forced_on, dtype, own = lifted.reference, "float32", first.local.get("lifted_rel_l2", own)
+            if notes is not None:
+                notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")
         found = drill_into(
             reference, reference_call, first.reference.key, candidate, candidate_call, key,
             lambda model: teacher_forcing(model, forced_on, candidate_trace, report.alignment, within=key), dtype, own,
@@ -567,6 +570,8 @@ def drill_into_origin(
         if echo is not None:
             echo(f"paritylab: the drill-down into {first.path} failed: {type(failure).__name__}: {failure}")
         return report
+    if notes is not None:
+        notes.extend(f"drill-down: {note}" for note in found.notes)
     return replace(report, drilldown=found.to_dict())
 
 

@@ -42,7 +42,7 @@ from paritylab.run.candidates import Candidate, build_candidate, instantiate, re
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
 from paritylab.run.identity import run_name, run_tags
 from paritylab.run.inputs import build_inputs
-from paritylab.run.lifting import lift, lifted_candidate_side, lifted_reference_side
+from paritylab.run.lifting import lift
 from paritylab.run.parity import (
     EXIT_ERROR,
     EXIT_FAIL,
@@ -50,6 +50,7 @@ from paritylab.run.parity import (
     Floors,
     ParityResult,
     compare_against_floors,
+    drill_into_origin,
     estimate_floors,
     judge_whole_graph,
     judge_with_replay,
@@ -567,36 +568,19 @@ class _Session:
         cand_trace: Trace,
         lifted: LiftedReplay | None = None,
     ) -> Report:
-        """``report`` with, inside its origin module, the first operation that differs (both sides run once more).
-        An origin the lifted replay found is opened in the lifted copies (float32, the candidate's weights),
-        where its difference is not hidden under the precision's rounding."""
-        from paritylab.comparison.drilldown import drill_into
-        from paritylab.comparison.replay import teacher_forcing
-
+        """``report`` with, inside its origin module, the first operation that differs
+        (:func:`~paritylab.run.parity.drill_into_origin`), written to ``report/drilldown.json``."""
         first = report.first_divergence
         if first is None or first.candidate is None or first.status != "compared":
             return report  # an unmatched module has no counterpart to open
         self.echo(f"paritylab: drilling into {display_path(first.path)}")
-        key, forced_on = first.candidate.key, ref_trace
-        dtype, own = first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2)
-        reference, candidate = reference.to(self.device), candidate.to(self.device)
-        if lifted is not None and first.local.get("lifted_diverged"):
-            low = getattr(torch, lifted.dtype)
-            made, copies = lifted.made_with, lifted.copies
-            (reference, ref_run), (candidate, cand_run) = (
-                lifted_reference_side(reference, ref_run, low, made, copies, ref_trace.uncalled),
-                lifted_candidate_side(candidate, cand_run, low, made, copies, cand_trace.uncalled),
-            )
-            forced_on = lifted.reference
-            dtype, own = "float32", first.local.get("lifted_rel_l2", own)
-            self.notes.append(f"drill-down: in the lifted copies (float32 with the candidate's {lifted.dtype} weights)")
-        found = drill_into(
-            reference, ref_run, first.reference.key, candidate, cand_run, key,
-            lambda model: teacher_forcing(model, forced_on, cand_trace, report.alignment, within=key), dtype, own,
+        found = drill_into_origin(
+            report, reference.to(self.device), ref_run, candidate.to(self.device), cand_run, ref_trace, cand_trace,
+            lifted, echo=self.echo, notes=self.notes,
         )  # fmt: skip
-        self.notes.extend(f"drill-down: {note}" for note in found.notes)
-        write_json(self.directory / "report" / "drilldown.json", found.to_dict(), indent=1)
-        return dataclasses.replace(report, drilldown=found.to_dict())
+        if found.drilldown is not None:
+            write_json(self.directory / "report" / "drilldown.json", found.drilldown, indent=1)
+        return found
 
     def _generate(
         self,
