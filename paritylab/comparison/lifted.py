@@ -256,7 +256,6 @@ def same_weights(
     found = found or twins(reference, candidate, dtype)
     prints = (shifted_prints(fingerprint(reference, grid), reference, found.shifted), fingerprint(candidate, grid))
     unsafe = rounded_state(candidate, dtype, found.proven)
-    called = {call.path for call in candidate_trace.calls}
     eligible = set()
     for pair in alignment.pairs:
         ref_calls, cand_calls = (
@@ -265,7 +264,7 @@ def same_weights(
         )
         if any(call.path in unsafe for call in cand_calls):
             continue
-        if pair.source == "weights" or _holds_finding(alignment, cand_calls, called):
+        if pair.source == "weights" or _holds_finding(alignment, ref_calls, cand_calls):
             eligible.add(pair.reference)  # the weight ledger's defect inside: lifted, its own effect is measured
             continue
         sums = [_weights(side, calls) for side, calls in zip(prints, (ref_calls, cand_calls), strict=True)]
@@ -274,17 +273,17 @@ def same_weights(
     return frozenset(eligible)
 
 
-def _holds_finding(alignment: Alignment, calls: list[CallRecord], called: set[str]) -> bool:
-    """A candidate module whose subtree holds a tensor the weight ledger found to differ from its reference twin, in
-    a module no call of which runs (a position table the container's own code reads)."""
-    differing = [finding for finding in alignment.weights.differing if finding.candidate_module not in called]
-    if not differing:
-        return False
-    for call in calls:
-        prefix = f"{call.path}." if call.path else ""
-        if any(finding.candidate_module.startswith(prefix) for finding in differing):
-            return True
-    return False
+def _holds_finding(alignment: Alignment, ref_calls: list[CallRecord], cand_calls: list[CallRecord]) -> bool:
+    """The pair's two subtrees hold the two tensors of a weight ledger finding (the candidate's the reference's with a
+    defect): what the lifted replay measures there is that defect, as bfloat16's rounding cannot hide it."""
+
+    def within(path: str, calls: list[CallRecord]) -> bool:
+        return any(not call.path or path == call.path or path.startswith(f"{call.path}.") for call in calls)
+
+    return any(
+        within(finding.candidate_module, cand_calls) and within(finding.reference_module, ref_calls)
+        for finding in alignment.weights.differing
+    )
 
 
 def _rows_of(prints: tuple[dict[str, ModulePrint], dict[str, ModulePrint]], *calls: list[CallRecord]) -> bool:
