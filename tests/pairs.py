@@ -35,6 +35,9 @@ class PairCase:
     cast_inputs: Callable[[torch.dtype], Callable[[nn.Module], Any]] | None = None
     unpaired: tuple[str, ...] = ()
     """Sites with no counterpart (the answer is the unmatched reference module in their place)."""
+    weight_sites: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Modules planted in by weight plants only (``planted_weight``), with their counterparts: a table no site's
+    subtree holds (rotary frequencies computed once for every layer)."""
 
 
 def transformer_lens_available() -> str | None:
@@ -340,8 +343,9 @@ def llava_port(dtype: torch.dtype = torch.float32) -> PairCase:
         "llm.output": ("lm_head",),
     }
     return PairCase(
-        "llava/port", reference, candidate, cast(torch.float32), lambda m: m(ids, pixels.to(dtype)), sites, cast
-    )
+        "llava/port", reference, candidate, cast(torch.float32), lambda m: m(ids, pixels.to(dtype)), sites, cast,
+        weight_sites={"llm.rotary": ("model.language_model.rotary_emb",)},  # its inverse frequencies
+    )  # fmt: skip
 
 
 def vit_monai(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
@@ -715,6 +719,7 @@ def xtransformers_llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> 
     return PairCase(
         "llama/x-transformers", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
         unpaired=("token_emb", *(f"attn_layers.layers.{2 * i + 1}.1.ff.0" for i in range(layers))),
+        weight_sites={"attn_layers.rotary_pos_emb": ("model.rotary_emb",)},  # its inverse frequencies
     )  # fmt: skip
 
 
@@ -880,3 +885,111 @@ def planted(model: nn.Module, path: str, kind: str, size: float, seed: int = 0) 
         yield effect
     finally:
         handle.remove()
+
+
+WEIGHT_KINDS = ("w-scale", "w-element", "w-transpose", "w-halves", "w-rows", "w-bias", "table")
+"""Bugs planted in a candidate module's weights (a conversion's bugs), not its output: the largest weight of two or
+more dimensions scaled ×1.01, its largest element ×1.01, a square weight transposed, the two halves of its rows
+swapped (a fused gate/up or qkv conversion in the wrong order), its first quarter of rows overwritten with the
+second (a wrong block), the bias or a norm's scale ×1.01, a floating buffer of the module's subtree ×1.01 (a
+table: rotary frequencies, sinusoids)."""
+WEIGHT_FACTOR = 1.01
+
+
+def _bias_like(name: str) -> bool:
+    return name in ("bias", "b") or name.startswith("b_")
+
+
+def weight_target(model: nn.Module, site: str, kind: str) -> str | None:
+    """The tensor (its dotted name in ``model``) a weight plant of ``kind`` at module ``site`` changes, or None when
+    the module holds nothing that kind changes (that combination is skipped, not counted). ``w-*`` kinds take the
+    module's own parameters only; ``table`` any floating buffer in its subtree that ×1.01 changes (the largest)."""
+    module = model.get_submodule(site)
+    prefix = f"{site}." if site else ""
+    if kind == "table":
+        tables = [
+            (name, buffer)
+            for name, buffer in module.named_buffers()
+            if buffer.is_floating_point() and not torch.equal(buffer * WEIGHT_FACTOR, buffer)  # -inf, zeros: no
+        ]
+        best = max(tables, key=lambda item: item[1].numel(), default=None)  # the first of the largest
+        return prefix + best[0] if best else None
+    own = [(name, p) for name, p in module.named_parameters(recurse=False) if p.is_floating_point()]
+    if kind == "w-bias":  # a bias first, else a 1-D weight (a norm's scale); zeros (fresh biases) change nothing
+        vectors = [(name, p) for name, p in own if p.dim() == 1 and bool(p.any())]
+        vectors.sort(key=lambda item: (not _bias_like(item[0]), -item[1].numel()))
+        return prefix + vectors[0][0] if vectors else None
+    matrices = [(name, p) for name, p in own if p.dim() >= 2]
+    if kind == "w-transpose":
+        matrices = [(name, p) for name, p in matrices if p.dim() == 2 and p.shape[0] == p.shape[1]]
+    elif kind == "w-halves":
+        matrices = [(name, p) for name, p in matrices if p.shape[0] % 2 == 0]
+    elif kind == "w-rows":
+        matrices = [(name, p) for name, p in matrices if p.shape[0] >= 2]
+    elif kind not in ("w-scale", "w-element"):
+        raise ValueError(f"unknown weight kind {kind!r}: one of {', '.join(WEIGHT_KINDS)}")
+    best = max(matrices, key=lambda item: item[1].numel(), default=None)
+    return prefix + best[0] if best else None
+
+
+def _changed(tensor: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
+    """``tensor`` with the plant of ``kind`` applied, in its own dtype (so rounded as the candidate holds it)."""
+    if kind in ("w-scale", "w-bias", "table"):
+        return tensor * WEIGHT_FACTOR
+    changed = tensor.clone()
+    if kind == "w-element":  # the seed-th largest magnitude: large enough that ×1.01 survives bf16 rounding
+        flat = changed.view(-1)
+        at = flat.abs().float().argsort(descending=True, stable=True)[seed % flat.numel()]
+        flat[at] = flat[at] * WEIGHT_FACTOR
+    elif kind == "w-transpose":
+        changed.copy_(tensor.T)
+    elif kind == "w-halves":
+        half = tensor.shape[0] // 2
+        changed = torch.cat([tensor[half:], tensor[:half]])
+    elif kind == "w-rows":
+        block = max(1, tensor.shape[0] // 4)
+        changed[:block] = tensor[block : 2 * block]
+    return changed
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output (tensors, tuples, lists, dicts and ModelOutputs of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return []
+
+
+@contextmanager
+def planted_weight(
+    model: nn.Module, site: str, kind: str, seed: int = 0, probe: Callable[[nn.Module], Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """A bug of ``kind`` (``WEIGHT_KINDS``) in a weight of module ``site``, changed in place and restored exactly
+    afterwards (also when the body raises). Yields ``{"changed": ..., "tensor": ...}``: whether the candidate's
+    values change (the tensor's values in its own dtype, and, given ``probe`` (the candidate's call), the model's
+    outputs: an embedding row no token reads changes nothing), and the tensor's dotted name. Raises ValueError
+    where the module holds nothing ``kind`` changes (``weight_target`` is None: skip the combination)."""
+    name = weight_target(model, site, kind)
+    if name is None:
+        raise ValueError(f"{site} holds no tensor a {kind!r} plant changes; skip it (weight_target is None)")
+    owner, _, attribute = name.rpartition(".")
+    tensor = getattr(model.get_submodule(owner), attribute)
+    original = tensor.detach().clone()
+    effect: dict[str, Any] = {"changed": False, "tensor": name}
+    try:
+        with torch.no_grad():
+            before = [leaf.clone() for leaf in _leaves(probe(model))] if probe is not None else None
+            tensor.copy_(_changed(original, kind, seed))
+            effect["changed"] = not torch.equal(tensor, original)
+            if before is not None and effect["changed"]:
+                after = _leaves(probe(model))
+                effect["changed"] = len(after) != len(before) or any(
+                    not torch.equal(a, b) for a, b in zip(after, before, strict=False)
+                )
+        yield effect
+    finally:
+        with torch.no_grad():
+            tensor.copy_(original)
