@@ -444,3 +444,16 @@ def test_a_block_of_rows_loaded_from_the_wrong_place_keeps_its_pair_and_says_whe
     (finding,) = ledger.differing
     assert finding.detail.startswith("rows 0-15 of 64 differ: they hold the reference's rows 16-31")
     assert ledger.module_pairs == {"1": "1"}
+
+
+def test_one_element_of_a_transposed_table_is_located_in_the_references_layout():
+    """TransformerLens' unembedding is GPT-2's embedding table transposed: one element changed there is found."""
+    torch.manual_seed(0)
+    reference = nn.ModuleDict({"wte": nn.Embedding(100, 32)})
+    candidate = nn.ParameterDict({"W_U": nn.Parameter(reference["wte"].weight.detach().T.clone())})
+    with torch.no_grad():
+        candidate["W_U"][7, 42] *= 1.01
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    (finding,) = ledger.differing
+    assert (finding.candidate, finding.reference) == ("W_U", "wte.weight")
+    assert finding.detail.startswith("transposed (positions in the reference's layout), 1 of 3200 elements, at [42, 7]")

@@ -14,6 +14,7 @@ divergence starts).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -264,8 +265,12 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, tuple[Held, floa
                 distance = min(distance, NEAR * _differing_share(twin.print, item.print))
             scored.append((distance, twin, False))
         if len(shape) == 2:
+            turned = _transposed(item.print)
             for twin in by_shape.get(shape[::-1], ()):
-                scored.append((_distance(twin.print, item.print, True), twin, True))
+                distance = _distance(twin.print, item.print, True)
+                if _mostly_in_place(twin.print, turned):  # a transposed layout (an unembedding against embeddings)
+                    distance = min(distance, NEAR * _differing_share(twin.print, turned))
+                scored.append((distance, twin, True))
         scored = [entry for entry in scored if math.isfinite(entry[0])]
         if not scored:
             continue
@@ -441,6 +446,17 @@ def _rows_distance(theirs: ParamPrint, start: int, stop: int, ours: ParamPrint, 
     return float(numpy.linalg.norm(_row_sums(theirs)[start:stop] - ref)) / scale
 
 
+def _transposed(item: ParamPrint) -> ParamPrint:
+    """A 2-D tensor's fingerprint as its transpose's: rows and columns (hashes and sums) exchanged."""
+    sums = item.sums
+    sketch = b""
+    if sums is not None:
+        sketch = numpy.concatenate([sums[1], sums[0], [sums[2]]]).astype("<f4").tobytes()
+    return dataclasses.replace(
+        item, shape=item.shape[::-1], row_bytes=item.col_bytes, col_bytes=item.row_bytes, sketch=sketch
+    )
+
+
 def _mostly_in_place(ours: ParamPrint, theirs: ParamPrint) -> bool:
     """Two same-shape 2-D tensors whose rows hash alike at the same positions for more than half the rows, or whose
     columns do for more than half the columns: one is the other with a few rows, columns or elements changed (a
@@ -483,8 +499,8 @@ def _distance(ours: ParamPrint, theirs: ParamPrint, flipped: bool) -> float:
 def _describe(ours: Held, theirs: Held, flipped: bool) -> tuple[str, float | None]:
     """What differs between a candidate tensor and the reference tensor it is nearest, and its relative L2 error
     where the fingerprints tell it (else the sketch's distance)."""
-    a, b = ours.print, theirs.print
-    parts = ["transposed"] if flipped else []
+    a, b = ours.print, _transposed(theirs.print) if flipped else theirs.print  # b in the reference's layout
+    parts = ["transposed (positions in the reference's layout)"] if flipped else []
     sums_a, sums_b = a.sums, b.sums
     assert sums_a is not None and sums_b is not None
     rel_l2: float | None = None
@@ -493,19 +509,19 @@ def _describe(ours: Held, theirs: Held, flipped: bool) -> tuple[str, float | Non
         text, rel_l2 = _values_differ(ref_values, cand_values)
         parts.append(text)
     else:
-        located = None if flipped else _located(a, b)
+        located = _located(a, b)
         if located is not None:
             text, element = located
             parts.append(text)
             if element is not None and sums_a[2] > 0:
                 row = element[0]
                 rel_l2 = abs(float(sums_b[0][row] - sums_a[0][row])) / sums_a[2]
-        scale = _scale(numpy.concatenate(sums_a[:2]), numpy.concatenate(sums_b[1::-1] if flipped else sums_b[:2]))
+        scale = _scale(numpy.concatenate(sums_a[:2]), numpy.concatenate(sums_b[:2]))
         if scale is not None:
             parts.append(f"scaled by {scale:.4g}")
             rel_l2 = abs(scale - 1.0)
     if rel_l2 is None:
-        rel_l2 = _distance(a, b, flipped)  # the sums' own distance (a match by rows in place may have scored less)
+        rel_l2 = _distance(a, b, False)  # the sums' own distance (a match by rows in place may have scored less)
         parts.append(f"rel_l2 ~{rel_l2:.3g} (from row and column sums)")
     else:
         parts.append(f"rel_l2 {rel_l2:.3g}")
