@@ -457,3 +457,19 @@ def test_one_element_of_a_transposed_table_is_located_in_the_references_layout()
     (finding,) = ledger.differing
     assert (finding.candidate, finding.reference) == ("W_U", "wte.weight")
     assert finding.detail.startswith("transposed (positions in the reference's layout), 1 of 3200 elements, at [42, 7]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_halves_of_a_weight_swapped_are_named_at_its_module_with_the_rows_they_hold(tmp_path, dtype):
+    reference = reference_mlp()
+    candidate = ported(reference)
+    with torch.no_grad():
+        weight = candidate.fc_mid.weight
+        weight.copy_(torch.cat([weight[16:], weight[:16]]))
+    report = run(reference, candidate, tmp_path, dtype).report
+    assert report.verdict == "fail"
+    assert report.first_divergence is not None and report.first_divergence.path == "2"
+    assert (
+        "fc_mid.weight holds the reference's 2.weight: the same rows in another order: rows 0-15 hold the "
+        "reference's rows 16-31, rows 16-31 hold the reference's rows 0-15"
+    ) in headline(report)

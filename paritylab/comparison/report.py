@@ -132,7 +132,12 @@ def compare_traces(
 
     charged = verify_pairs(rows, reference, candidate, alignment, partner, rejudge)
     _infer_inputs(rows, reference)
-    origins = _localise(rows, reference)
+    reordered = {
+        reference.call(pair.reference).index
+        for pair in alignment.pairs
+        if pair.candidate_part is not None and pair.candidate_part.whole
+    }
+    origins = _localise(rows, reference, reordered)
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
@@ -484,15 +489,17 @@ def _infer_inputs(rows: list[Row], reference: Trace) -> None:
 _JUDGED = ("compared", "stats-only", "shape-mismatch", "error")
 
 
-def _localise(rows: list[Row], reference: Trace) -> list[Row]:
+def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set[int] = frozenset()) -> list[Row]:
     """Mark each diverging row as origin / contains-origin / inherited; return the origins in order.
 
     A start is a diverging row whose input agrees, or whose input is unknown and whose weights the weight ledger
     found to differ from its counterpart's (:func:`_own_weights`). A diverging row whose input diverged, when that input
     was produced by a module with no counterpart whose own input agrees, makes that unmatched module the
-    start: divergence begins inside the unmatched stretch. Rows whose input state is unknown are starts
-    only when nothing else explains the divergence. An origin is a start with no start among its
-    descendants.
+    start: divergence begins inside the unmatched stretch. So does a module whose output agrees only with its
+    features in another order (``reordered``: its weight's rows are the reference's, permuted), when a module it
+    feeds is handed them in that order and diverges: a legitimate layout (rotary's interleaved pairs) is read in its
+    own order by the code after it, a wrong one (two halves swapped) is not. Rows whose input state is unknown are
+    starts only when nothing else explains the divergence. An origin is a start with no start among its descendants.
     """
     by_index = {row.index: row for row in rows}
     starts = [row for row in rows if row.diverged and not row.input_diverged and (row.input_known or _own_weights(row))]
@@ -500,6 +507,16 @@ def _localise(rows: list[Row], reference: Trace) -> list[Row]:
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
         producer = producer_row(by_index, reference, row)
+        if producer is not None and producer.index in reordered and not producer.diverged:
+            producer.diverged, producer.verdict = True, "fail"
+            finding = (
+                f"its output agrees only with its features in another order, and {row.path or '<root>'} is handed "
+                "them in that order: its weight's rows are the reference's, reordered"
+            )
+            producer.note = f"{producer.note}; {finding}" if producer.note else finding
+            if producer not in starts:
+                starts.append(producer)
+            continue
         if producer is None or producer.status != "unmatched":
             continue
         upstream = producer_row(by_index, reference, producer)
