@@ -9,7 +9,11 @@ processes as safetensors files only: the reference's weights and the call's inpu
 The rendezvous store is a ``TCPStore`` opened by this process on ``127.0.0.1`` with a port the OS assigns, so no
 port is guessed and raced for; the ranks connect to it (``MASTER_ADDR``/``MASTER_PORT`` are set for code that
 reads them). When a rank fails, the others get ``grace_s`` to notice (a gloo collective fails once its peer
-is gone) and are then stopped, so a run never hangs on a dead peer; ``timeout_s`` bounds the whole run.
+is gone) and are then stopped, so a run never hangs on a dead peer; ``timeout_s`` bounds the whole run. Each rank
+runs in its own session (its own process group), and however the run ends (success, a failure, the time limit,
+Ctrl-C) the whole group is killed: a process a rank started (a data loader's worker, a helper it forgot) never
+outlives it. The ranks are no part of the terminal's foreground group, so a Ctrl-C reaches this process only,
+which then stops them.
 
 Layout of ``directory``: ``launch.json`` (the spec every rank reads), ``weights.safetensors``,
 ``inputs.safetensors``, ``rank<k>.log`` (each rank's stdout and stderr: tracebacks), and per rank ``rank<k>/``
@@ -20,11 +24,13 @@ boundaries) and ``status.json`` (how far the rank got, and how it ended).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -338,15 +344,14 @@ def run_ranks(
             ]
             processes.append(
                 subprocess.Popen(
-                    [*command, str(rank)], stdout=log, stderr=subprocess.STDOUT, env=_rank_env(spec, rank, env)
+                    [*command, str(rank)], stdout=log, stderr=subprocess.STDOUT, env=_rank_env(spec, rank, env),
+                    start_new_session=True,  # its own process group: ending the rank ends everything it started
                 )
-            )
+            )  # fmt: skip
         timed_out = _wait(processes, spec, started)
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+            end_tree(process)
         for log in logs:
             log.close()
         del store
@@ -361,6 +366,17 @@ def run_ranks(
         )
         for variant in spec.variant_names
     ]
+
+
+def end_tree(process: subprocess.Popen[bytes]) -> None:
+    """Kill ``process`` and every process of its group (it leads one: ``start_new_session``), then reap it. Run
+    after a rank exits too: what it started and left behind is in its group and goes with it."""
+    if hasattr(os, "killpg"):  # an empty group (the rank and all it started are gone) is no error
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    if process.poll() is None:
+        process.kill()
+    process.wait()
 
 
 def _wait(processes: Sequence[subprocess.Popen[bytes]], spec: LaunchSpec, started: float) -> bool:
