@@ -351,7 +351,29 @@ def check_settings(cfg: DictConfig) -> None:
     if kind in ("file", "prompts") and not (path and Path(str(path)).is_file()):
         what = "a safetensors file of named tensors" if kind == "file" else 'a JSONL file of {"prompt": ...} lines'
         raise ConfigError(f"inputs={kind} needs inputs.path=<{what}>; got {path!r}")
+    if kind == "file":
+        check_input_file(str(path))
     check_ranks(cfg)
+
+
+def check_input_file(path: str) -> None:
+    """``inputs=file``: a readable safetensors file whose every tensor has elements, read from its header only (a
+    0-length ``input_ids`` would otherwise compare zero elements and PASS over nothing)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as opened:
+            shapes = {str(name): list(opened.get_slice(name).get_shape()) for name in opened.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ConfigError(f"inputs.path={path!r} is not a readable safetensors file: {error}") from error
+    if not shapes:
+        raise ConfigError(f"inputs.path={path!r} holds no tensors: save named inputs such as input_ids")
+    for name, shape in shapes.items():
+        if 0 in shape:
+            raise ConfigError(
+                f"inputs.path={path!r}: {name} has no elements (shape {shape}); a comparison over nothing proves "
+                "nothing: save inputs with at least one element each"
+            )
 
 
 BUILDER_FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
