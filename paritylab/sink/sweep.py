@@ -92,6 +92,11 @@ def sweep_state() -> dict[str, Any] | None:
         return None
 
 
+def sweep_started() -> bool:
+    """Whether this process opened a sweep (:func:`start_sweep`): a multirun past its start."""
+    return _current is not None
+
+
 def finish_sweep(directory: Path | None = None, interrupted: bool = False) -> int:
     """Summarise the sweep's jobs (printed and logged on the parent run); returns the process exit code:
     0 when every job passed without regression, 1 when one failed or regressed, 2 when one errored, 130 when

@@ -1,0 +1,112 @@
+"""Reliability round 4 (issue 44): typos inside per-module tolerances and builder options, a world of ranks that
+cannot fit, empty inputs, Hydra's own errors, and signals at a run's start-up or in a sweep.
+
+The refusals run in process (``compose`` then ``check_targets``) and across the process boundary where the exit
+code and the one line are what the user sees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paritylab.cli.app import compose
+from paritylab.run.config import ConfigError, check_targets
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+
+
+def paritylab(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "paritylab", *args]
+    return subprocess.run(command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def refused(cfg_overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as raised:
+        check_targets(compose(cfg_overrides))
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def one_line_exit_2(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("paritylab")]
+    assert len(lines) == 1, result.stdout + result.stderr
+    return lines[0]
+
+
+# -- empty inputs -------------------------------------------------------------------------------------------------
+
+
+def test_an_input_without_elements_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    empty = tmp_path / "empty.safetensors"
+    save_file({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, str(empty))
+    message = refused(["tracking=off", "inputs=file", f"inputs.path={empty}"])
+    assert message == (
+        f"inputs.path={str(empty)!r}: input_ids has no elements (shape [1, 0]); a comparison over nothing proves "
+        "nothing: save inputs with at least one element each"
+    )
+    nothing = tmp_path / "nothing.safetensors"
+    nothing.write_bytes(b"")
+    assert refused(["tracking=off", "inputs=file", f"inputs.path={nothing}"]).startswith(
+        f"inputs.path={str(nothing)!r} is not a readable safetensors file"
+    )
+    line = one_line_exit_2(paritylab(tmp_path, "tracking=off", "inputs=file", f"inputs.path={empty}"))
+    assert "input_ids has no elements (shape [1, 0])" in line
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_inputs_built_empty_are_refused_too() -> None:
+    from paritylab.run.inputs import not_empty
+
+    with pytest.raises(ConfigError, match=r"inputs=prompts: attention_mask has no elements \(shape \[2, 0\]\)"):
+        not_empty({"input_ids": torch.ones(2, 3), "attention_mask": torch.ones(2, 0)}, "prompts")
+
+
+# -- Hydra's own errors, and a signal while a single run starts ------------------------------------------------
+
+
+def test_an_override_hydra_rejects_in_a_sweep_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    for override in ("hydra.launcher.n_jobs=abc", "hydra.job.chdir=maybe"):
+        result = paritylab(tmp_path, "-m", "tracking=off", override, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+        line = one_line_exit_2(result)
+        assert line.startswith("paritylab: bad configuration: ") and override.split("=")[0] in line
+        assert "HYDRA_FULL_ERROR" not in result.stderr
+
+
+SLOW_IMPORT = """
+import sys, time
+from pathlib import Path
+Path({marker!r}).write_text("importing")
+time.sleep(120)
+"""
+
+
+def test_a_sigterm_while_a_single_run_starts_does_not_speak_of_a_sweep(tmp_path: Path) -> None:
+    marker = tmp_path / "importing"
+    (tmp_path / "slow_builder.py").write_text(SLOW_IMPORT.format(marker=str(marker)))
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV["PYTHONPATH"]])}
+    command = [sys.executable, "-m", "paritylab", "tracking=off", "model.build._target_=slow_builder.build",
+               f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), process.communicate()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, out + err
+    assert "sweep" not in out + err and "finished jobs" not in out + err
+    assert err.strip() == "paritylab: interrupted while starting; nothing was compared"
