@@ -110,3 +110,42 @@ def test_a_sigterm_while_a_single_run_starts_does_not_speak_of_a_sweep(tmp_path:
     assert process.returncode == 130, out + err
     assert "sweep" not in out + err and "finished jobs" not in out + err
     assert err.strip() == "paritylab: interrupted while starting; nothing was compared"
+
+
+# -- compare.modules: one schema for every entry, a pattern that matches nothing is said ------------------------
+
+
+def test_a_typo_inside_a_per_module_override_is_refused_with_what_was_meant(tmp_path: Path) -> None:
+    message = refused(["tracking=off", "+compare.modules.fc2.rtoll=10"])
+    assert message == (
+        "compare.modules.fc2.rtoll is not a per-module setting (did you mean compare.modules.fc2.rtol?): "
+        "an entry takes rtol, atol"
+    )
+    assert refused(["tracking=off", "+compare.modules.lm.head.rtol=1"]).endswith(
+        "a pattern with dots is given whole: '+compare.modules={lm.head: {rtol: 1e-3}}'"
+    )
+    assert refused(["tracking=off", "+compare.modules.fc2=3"]).startswith(
+        "compare.modules.fc2=3 must be {rtol:, atol:}"
+    )
+    check_targets(compose(["tracking=off", "+compare.modules.fc2.rtol=10", "+compare.modules.fc2.atol=1"]))
+    line = one_line_exit_2(paritylab(tmp_path, "tracking=off", "+compare.modules.fc2.rtoll=10"))
+    assert line == f"paritylab: bad configuration: {message}"
+    line = one_line_exit_2(paritylab(tmp_path, "-m", "tracking=off", "compare.rtol=0,1", "+compare.modules.x.atoll=1"))
+    assert "compare.modules.x.atoll is not a per-module setting (did you mean compare.modules.x.atol?)" in line
+
+
+def test_a_pattern_that_matches_no_module_is_a_note(tmp_path: Path) -> None:
+    from paritylab.run.runner import run
+
+    cfg = compose(
+        ["tracking=off", "compare.replay=false", "+compare.modules={lm_head: {rtol: 0.05}, nowhere.*: {rtol: 0.1}}"]
+    )
+    assert set(cfg.compare.modules) == {"lm_head", "nowhere.*"}
+    result = run(cfg, tmp_path / "run", echo=lambda _: None)
+    expected = (
+        "compare.modules.nowhere.* matches no module of the reference: its tolerances were not applied "
+        "(patterns are fnmatch on module paths, e.g. 'model.layers.*.mlp')"
+    )
+    assert result.exit_code == 0
+    assert expected in result.notes
+    assert not any("compare.modules.lm_head" in note for note in result.notes)

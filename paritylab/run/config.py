@@ -8,12 +8,14 @@ Configs with ``_target_`` import and run code: trust them as you trust code.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import importlib.resources
 import inspect
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,16 @@ class InputsConfig:
     a JSONL file, one ``{"prompt": "..."}`` or ``{"input_ids": [...]}`` per line (the lines are the batch)."""
     tokenizer: str | None = None
     """``kind=prompts``: the tokenizer (a directory or hub id) for text prompts; default: ``model.build.pretrained``."""
+
+
+@dataclass
+class ModuleTolerance:
+    """One ``compare.modules`` entry, ``{pattern: {rtol:, atol:}}``: the tolerances of the reference modules whose
+    path matches ``pattern`` (fnmatch); unset keeps the run's. Every entry is checked against these fields
+    (:func:`check_module_entries`), so a typo (``rtoll``) is refused, never ignored."""
+
+    rtol: float | None = None
+    atol: float | None = None
 
 
 @dataclass
@@ -328,6 +340,7 @@ def check_settings(cfg: DictConfig) -> None:
             f"generate.steps={generate.steps} generate.top_k={generate.top_k}: steps must be 0 (off) or more, "
             "top_k 1 or more"
         )
+    check_module_entries(compare.get("modules"))
     try:
         tolerances = Tolerances.from_config(OmegaConf.to_container(compare, resolve=True))  # type: ignore[arg-type]
     except ValueError as error:
@@ -374,6 +387,53 @@ def check_input_file(path: str) -> None:
                 f"inputs.path={path!r}: {name} has no elements (shape {shape}); a comparison over nothing proves "
                 "nothing: save inputs with at least one element each"
             )
+
+
+MODULE_KEYS = tuple(field.name for field in dataclasses.fields(ModuleTolerance))
+
+
+def check_module_entries(modules: Any) -> None:
+    """Every ``compare.modules`` entry is a mapping of :class:`ModuleTolerance`'s keys; an unknown key is refused
+    in one line with the closest known one (``compare.modules.fc2.rtoll``: did you mean ``...fc2.rtol``?)."""
+    import difflib
+
+    if modules is None:
+        return
+    if not isinstance(modules, DictConfig | dict):
+        raise ConfigError(f"compare.modules must map module path patterns to {{rtol:, atol:}}, got {modules!r}")
+    for pattern, entry in modules.items():
+        key = f"compare.modules.{pattern!s}"
+        if not isinstance(entry, DictConfig | dict):
+            raise ConfigError(f"{key}={entry!r} must be {{rtol:, atol:}} (e.g. +{key}.rtol=1e-3)")
+        for named, value in entry.items():
+            name = str(named)
+            if name in MODULE_KEYS:
+                continue
+            close = difflib.get_close_matches(name, MODULE_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean {key}.{close[0]}?)" if close else ""
+            dotted = (
+                f"; a pattern with dots is given whole: '+compare.modules={{{pattern!s}.{name}: {{rtol: 1e-3}}}}'"
+                if isinstance(value, DictConfig | dict)
+                else ""
+            )
+            raise ConfigError(
+                f"{key}.{name} is not a per-module setting{hint}: an entry takes {', '.join(MODULE_KEYS)}{dotted}"
+            )
+
+
+def unmatched_patterns(modules: Any, paths: Iterable[str]) -> list[str]:
+    """The ``compare.modules`` patterns that match none of ``paths`` (the reference's module paths), as notes: a
+    tolerance that was set and never applied is said, not silently dropped."""
+    import fnmatch
+
+    patterns = [str(pattern) for pattern in (modules or {})]
+    known = list(dict.fromkeys(paths))
+    return [
+        f"compare.modules.{pattern} matches no module of the reference: its tolerances were not applied "
+        "(patterns are fnmatch on module paths, e.g. 'model.layers.*.mlp')"
+        for pattern in patterns
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in known)
+    ]
 
 
 BUILDER_FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
