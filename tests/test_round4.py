@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from paritylab.cli.app import compose
+from paritylab.distributed import takes_options
 from paritylab.run.config import ConfigError, check_targets
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -149,3 +150,54 @@ def test_a_pattern_that_matches_no_module_is_a_note(tmp_path: Path) -> None:
     assert result.exit_code == 0
     assert expected in result.notes
     assert not any("compare.modules.lm_head" in note for note in result.notes)
+
+
+# -- builder options: checked against what the builder declares ----------------------------------------------------
+
+
+def test_options_on_a_candidate_that_is_not_distributed_are_refused(tmp_path: Path) -> None:
+    assert refused(["tracking=off", "+candidate.options.modle=x"]) == (
+        "candidate.options.modle is read only by a distributed candidate's builder (candidate.kind=distributed), "
+        "and this candidate is a port: its builder's arguments go under candidate.ports.<family>.build"
+    )
+    assert refused(["tracking=off", "candidate=bf16", "+candidate.options.x=1"]).endswith(
+        "this candidate is a dtype: its builder's arguments go under candidate.build"
+    )
+    line = one_line_exit_2(paritylab(tmp_path, "tracking=off", "+candidate.options.modle=x"))
+    assert "candidate.options.modle is read only by a distributed candidate's builder" in line
+
+
+def test_an_unknown_option_to_the_tp_builder_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    known = "it takes: config, defect, layer, mesh"
+    message = refused(["model=llama", "candidate=tp", "tracking=off", "+candidate.options.defetc=rank1_scaled"])
+    assert message == (
+        "candidate.options.defetc: paritylab.experiments.tp_llama:build takes no option 'defetc' "
+        f"(did you mean defect?); {known}"
+    )
+    check_targets(compose(["model=llama", "candidate=tp", "tracking=off", "+candidate.options.defect=rank1_scaled"]))
+    pipeline = ["model=llama", "candidate=pipeline", "tracking=off", "+candidate.options.mesh=[1,2]"]
+    assert refused(pipeline).endswith("takes no option 'mesh'; it takes: config, defect, layer")
+    result = paritylab(
+        tmp_path, "model=llama", "candidate=tp", "tracking=off", "+candidate.options.defetc=rank1_scaled"
+    )
+    assert one_line_exit_2(result) == f"paritylab: {message}"
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").glob("*/*/ranks"))
+
+
+@takes_options("scale")
+def scaled(context: object) -> torch.nn.Module:
+    return torch.nn.Identity()
+
+
+def test_a_launch_made_without_the_command_line_refuses_an_undeclared_option_on_the_rank(tmp_path: Path) -> None:
+    from paritylab.distributed.launch import LaunchSpec, prepare, run_ranks
+
+    prepare(tmp_path, {"x": torch.ones(2)}, None)
+    spec = LaunchSpec("tests.test_round4:scaled", 1, tmp_path, options={"scael": 2.0}, timeout_s=120)
+    (result,) = run_ranks(spec)
+    assert not result.ok
+    assert result.failed[0].phase == "build"
+    assert result.failed[0].error == (
+        "ValueError: options.scael: tests.test_round4:scaled takes no option 'scael' (did you mean scale?); "
+        "it takes: config, scale"
+    )

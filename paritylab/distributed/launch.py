@@ -267,6 +267,41 @@ def resolve(spec: str, what: str = "builder") -> Callable[..., Any]:
     return target
 
 
+OPTIONS_ATTRIBUTE = "paritylab_options"
+"""A builder's attribute naming the ``context.options`` it reads (set by :func:`takes_options`)."""
+ALWAYS_GIVEN = ("config",)
+"""Options paritylab may add itself (a transformers reference's ``config.to_dict()``): every builder takes them."""
+
+
+def takes_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the ``context.options`` a builder reads (``@takes_options("defect", "layer")``); any other option
+    is then refused in one line naming these, before a rank starts (and on a rank, for a launch made without the
+    command line). A builder that declares nothing takes any option."""
+
+    def declare(builder: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(builder, OPTIONS_ATTRIBUTE, tuple(dict.fromkeys([*ALWAYS_GIVEN, *names])))
+        return builder
+
+    return declare
+
+
+def unknown_option(builder: Callable[..., Any], named: str, options: Mapping[str, Any]) -> str | None:
+    """What is wrong with the first option ``builder`` (named ``named``) does not declare, as the end of a line
+    (``defetc: ... takes no option 'defetc' (did you mean defect?); it takes: config, defect, layer``); ``None``
+    when it declares none or knows them all."""
+    import difflib
+
+    known = getattr(builder, OPTIONS_ATTRIBUTE, None)
+    if known is None:
+        return None
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return f"{name}: {named} takes no option {str(name)!r}{hint}; it takes: {', '.join(known)}"
+    return None
+
+
 ORDER_KEY = "paritylab.order"
 """safetensors metadata: the tensors' names in the order they were given (the file itself sorts them)."""
 

@@ -470,6 +470,12 @@ def check_ranks(cfg: DictConfig) -> None:
                 f"candidate.world_size={world_size} needs candidate.kind=distributed and a candidate.builder run on "
                 "every rank (e.g. candidate=tp); other candidates run in this process"
             )
+        for name in candidate.get("options") or {}:
+            where = "candidate.ports.<family>.build" if str(candidate.kind) == "port" else "candidate.build"
+            raise ConfigError(
+                f"candidate.options.{name!s} is read only by a distributed candidate's builder (candidate.kind="
+                f"distributed), and this candidate is a {candidate.kind}: its builder's arguments go under {where}"
+            )
         return
     builder = candidate.get("builder")
     if not builder or not BUILDER_FORM.fullmatch(str(builder)):
@@ -533,7 +539,13 @@ def check_targets(cfg: DictConfig) -> None:
     for key, node in nodes:
         check_target(key, OmegaConf.to_container(node, resolve=True), allowed_extra=("reference",))
     if str(cfg.candidate.kind) == "distributed":
-        resolve_builder("candidate.builder", str(cfg.candidate.builder))
+        from paritylab.distributed.launch import unknown_option
+
+        named = str(cfg.candidate.builder)
+        builder = resolve_builder("candidate.builder", named)
+        unknown = unknown_option(builder, named, OmegaConf.to_container(cfg.candidate.options, resolve=True))  # type: ignore[arg-type]
+        if unknown is not None:
+            raise ConfigError(f"candidate.options.{unknown}")
 
 
 def resolve_builder(key: str, named: str) -> Any:
