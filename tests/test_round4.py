@@ -201,3 +201,43 @@ def test_a_launch_made_without_the_command_line_refuses_an_undeclared_option_on_
         "ValueError: options.scael: tests.test_round4:scaled takes no option 'scael' (did you mean scale?); "
         "it takes: config, scale"
     )
+
+
+# -- a world of ranks that cannot fit -------------------------------------------------------------------------------
+
+
+def test_a_rank_is_counted_as_a_process_of_the_size_measured_for_it() -> None:
+    """:data:`RANK_PROCESS` holds what a rank's process takes before its model: measured here, it is no guess."""
+    from paritylab.run.budget import RANK_PROCESS
+
+    code = "import resource, torch, torch.distributed; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    assert measured * scale <= RANK_PROCESS <= 3 * measured * scale
+
+
+def test_a_world_that_does_not_fit_is_refused_saying_what_fits() -> None:
+    from paritylab.run.budget import plan_ranks
+
+    with pytest.raises(ConfigError) as raised:
+        plan_ranks(64, 2, 16 * 2**30)
+    assert str(raised.value) == (
+        "candidate.world_size=64: 64 rank processes need about 18.8 GiB (300.0 MiB each: interpreter, torch) on 2 "
+        "cores, and 2 cores take at most 4 ranks (2 per core) and 16.0 GiB free takes at most 46; at most 4 ranks "
+        "fit here: use candidate.world_size=4 or fewer"
+    )
+    with pytest.raises(ConfigError, match=r"4.0 GiB free takes at most 5; at most 5 ranks fit here"):
+        plan_ranks(8, 16, 4 * 2**30, weights=300 * 2**20)
+    assert plan_ranks(2, 2, 24 * 2**30) == (
+        "2 rank processes need about 600.0 MiB (300.0 MiB each: interpreter, torch) on 2 cores (24.0 GiB free)"
+    )
+
+
+def test_world_size_64_on_a_small_machine_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    world = max(64, 2 * (os.cpu_count() or 1) + 1)  # more than this machine's cores take, whatever it is
+    result = paritylab(tmp_path, "model=llama", "candidate=tp", f"candidate.world_size={world}", "tracking=off",
+                       f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    line = one_line_exit_2(result)
+    assert line.startswith(f"paritylab: candidate.world_size={world}: {world} rank processes need about ")
+    assert "ranks fit here: use candidate.world_size=" in line
+    assert not (tmp_path / "run" / "ranks").exists() and not (tmp_path / "run" / "reference").exists()

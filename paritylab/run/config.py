@@ -484,6 +484,13 @@ def check_ranks(cfg: DictConfig) -> None:
             "(e.g. candidate.builder=paritylab.experiments.tp_llama:build)"
         )
     check_dist_backend(str(candidate.get("dist_backend", "gloo")), int(world_size))
+    if cfg.get("memory_check", True):  # the ranks' processes and cores, before anything is built
+        import torch
+
+        from paritylab.run.budget import cores, plan_ranks
+        from paritylab.run.resident import available_memory
+
+        plan_ranks(int(world_size), cores(), available_memory(torch.device("cpu")))
     if candidate.call.args or candidate.call.kwargs:
         raise ConfigError(
             "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls "
