@@ -241,3 +241,79 @@ def test_world_size_64_on_a_small_machine_is_refused_before_any_rank_starts(tmp_
     assert line.startswith(f"paritylab: candidate.world_size={world}: {world} rank processes need about ")
     assert "ranks fit here: use candidate.world_size=" in line
     assert not (tmp_path / "run" / "ranks").exists() and not (tmp_path / "run" / "reference").exists()
+
+
+# -- a sweep's interruption, and publishing an interrupted run ------------------------------------------------------
+
+
+def test_ctrl_c_into_a_joblib_sweep_closes_every_job_it_started_and_writes_each_run_json(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    from tests.helpers import migrated_store
+
+    store = migrated_store(tmp_path / "mlflow.db")
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "paritylab", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "compare.replay=false", f"tracking.uri={store}", "tracking.experiment=joblib",
+               f"hydra.sweep.dir={sweep}",
+               "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
+               "tests.faulty.slow_port"]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        if any(sweep.glob("0-*/run.json")) and any(sweep.glob("1-*/candidate")):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)  # the parent only: joblib then kills its workers, jobs and all
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("joblib")
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    statuses = sorted((run.data.tags.get("paritylab.sweep") == "true", run.info.status) for run in runs)
+    assert statuses == [(False, "FINISHED"), (False, "KILLED"), (True, "KILLED")], statuses
+    jobs = sorted(path.parent.name.split("-", 1)[0] for path in sweep.glob("*/run.json"))
+    assert jobs == ["0", "1"]
+    (killed,) = sweep.glob("1-*/run.json")
+    assert '"verdict": "interrupted"' in killed.read_text()
+
+
+def test_a_job_killed_after_its_verdict_keeps_it_in_the_run_json_the_sweep_writes(tmp_path: Path) -> None:
+    import json
+
+    from paritylab.sink.sweep import _interrupted_job
+
+    record = {"status": "FINISHED", "tags": {"paritylab.verdict": "pass", "paritylab.first_divergence": "none"}}
+    (tmp_path / "tracking.json").write_text(json.dumps(record))
+    job = _interrupted_job(tmp_path)
+    assert job["verdict"] == "pass" and job["status"] == "KILLED" and job["exit_code"] == 130
+    assert f"paritylab-upload {tmp_path} publishes it" in job["error"]
+    (tmp_path / "tracking.json").unlink()
+    assert _interrupted_job(tmp_path)["verdict"] == "interrupted"
+
+
+def test_upload_refuses_an_interrupted_run_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlflow import MlflowClient
+
+    from paritylab.cli.upload import main
+    from paritylab.sink.publish import RunRecord
+    from tests.helpers import migrated_store
+
+    store = migrated_store(tmp_path / "mlflow.db")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunRecord("llava vs port", "interrupted", None, {"paritylab.verdict": "error"}, {}, status="KILLED").save(run_dir)
+    assert main([str(run_dir), "--tracking-uri", store]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"paritylab-upload: {run_dir} holds a run that was interrupted before its verdict (KILLED): its results are "
+        "partial; pass --allow-interrupted to publish it anyway"
+    )
+    assert MlflowClient(store).get_experiment_by_name("interrupted") is None
+    assert main([str(run_dir), "--tracking-uri", store, "--allow-interrupted"]) == 0
+    experiment = MlflowClient(store).get_experiment_by_name("interrupted")
+    (published,) = MlflowClient(store).search_runs([experiment.experiment_id])
+    assert published.info.status == "KILLED"

@@ -10,6 +10,7 @@ exceptions raised in callbacks and skips ``on_multirun_end`` when a job raises.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -113,6 +114,8 @@ def finish_sweep(directory: Path | None = None, interrupted: bool = False) -> in
     print(summary)
     (directory / "sweep_summary.md").write_text(summary, encoding="utf-8")
     if state.get("parent_run_id"):
+        if interrupted:  # a job killed with its worker (joblib) never closed its run: close it here
+            state["children_killed"] = _close_children(state)
         _close_parent(state, directory, jobs, summary, code)
     state.update(finished=True, exit_code=code)
     _write(directory, state)
@@ -141,14 +144,63 @@ def _jobs(directory: Path, interrupted: bool = False) -> list[dict[str, Any]]:
         try:
             job = json.loads((job_dir / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            job = (
-                {"exit_code": EXIT_INTERRUPTED, "verdict": "interrupted", "error": "interrupted", "link": ""}
-                if interrupted
-                else {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
-            )
+            if interrupted:  # killed with its worker: its run.json says how far it got
+                job = _interrupted_job(job_dir)
+                with contextlib.suppress(OSError):
+                    write_json(job_dir / "run.json", job, indent=1)
+            else:
+                job = {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
         job["directory"] = job_dir.name
         jobs.append(job)
     return jobs
+
+
+def _interrupted_job(job_dir: Path) -> dict[str, Any]:
+    """``run.json`` of a job the interruption ended before it wrote one. A job that reached its verdict (its
+    ``tracking.json`` holds it) keeps that verdict, unpublished; otherwise it was interrupted mid-run. Either way
+    its status is KILLED and its exit code 130."""
+    job: dict[str, Any] = {
+        "status": "KILLED", "exit_code": EXIT_INTERRUPTED, "verdict": "interrupted", "link": "",
+        "error": "interrupted: the sweep was stopped while this job ran",
+    }  # fmt: skip
+    try:
+        record = json.loads((job_dir / "tracking.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return job
+    tags = record.get("tags") if isinstance(record, dict) else None
+    if not isinstance(tags, dict):
+        return job
+    verdict = tags.get("paritylab.verdict")
+    if record.get("status") == "FINISHED" and isinstance(verdict, str):
+        job.update(
+            verdict=verdict,
+            first_divergence=tags.get("paritylab.first_divergence"),
+            error=f"interrupted while publishing: the verdict is kept; paritylab-upload {job_dir} publishes it",
+        )
+    return job
+
+
+def _close_children(state: dict[str, Any]) -> list[str]:
+    """Mark KILLED every run of this sweep (nested under its parent) still RUNNING: the jobs it started and the
+    interruption ended; returns their ids."""
+    from paritylab.sink.tracking import MlflowTracker, TrackingError
+
+    parent = str(state["parent_run_id"])
+    try:
+        tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
+        experiment = tracker.ensure_experiment()
+        running = tracker.call(
+            "find the sweep's running jobs", tracker.client.search_runs, [experiment],
+            filter_string=f"tags.`mlflow.parentRunId` = '{parent}' and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )  # fmt: skip
+        closed = [run.info.run_id for run in running]
+        for run_id in closed:
+            tracker.call("close a job's run", tracker.client.set_terminated, run_id, "KILLED")
+    except TrackingError as error:
+        print(f"paritylab: could not close the sweep's interrupted jobs: {error}")
+        return []
+    return closed
 
 
 def summarise(jobs: list[dict[str, Any]], state: dict[str, Any]) -> str:
