@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import hydra
@@ -64,7 +65,10 @@ def entry() -> None:
     except Exception as error:
         if not own_errors or not hydra_error(error):
             raise
-        print(f"paritylab: bad configuration: {one_line(error)}", file=sys.stderr)
+        message = re.sub(r"; To append to your config use \S+", "", one_line(error))  # Hydra's + is no fix here
+        if "hydra." in message:  # Hydra's own settings are listed by --cfg hydra
+            message = message.replace("--cfg job", "--cfg hydra")
+        print(f"paritylab: bad configuration: {message}", file=sys.stderr)
         exit_process(2)
     code = max(exit_code(), finish_sweep())
     if profile is not None:
