@@ -1,6 +1,6 @@
 """Break paritylab from outside, as a user would, and say for each fault whether the promise held.
 
-    python scripts/faults.py            # from a checkout with the project installed; ~6 minutes on 2 cores
+    python scripts/faults.py            # from a checkout with the project installed; ~8 minutes on 2 cores
     python scripts/faults.py joblib     # only the faults whose name holds one of the words given
 
 Each fault runs the real commands (``python -m paritylab``, ``paritylab-compare``, ``paritylab-upload``) in a
