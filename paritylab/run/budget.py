@@ -257,9 +257,9 @@ def _refusal(tried: MemoryPlan, resident: str) -> str:
 
 
 RANK_PROCESS = 300 * 2**20
-"""Resident bytes of one rank's process before its model: the interpreter and torch. Measured (``ru_maxrss`` of a
+"""Resident bytes of one rank's process before its model: the interpreter and torch. Measured (``VmRSS`` of a
 fresh process, torch 2.13 on Linux x86-64): ``import torch`` 219 MiB; with ``torch.distributed`` and paritylab's
-worker 223 MiB; with transformers and the example TP builder 280 MiB. Rounded up to 300 MiB."""
+worker 224 MiB; with transformers and the example TP builder 280 MiB. Rounded up to 300 MiB."""
 
 RANKS_PER_CORE = 2
 """At most this many ranks per core: gloo ranks compute and wait on each other's collectives, and past two a core

@@ -185,22 +185,12 @@ def _close_children(state: dict[str, Any]) -> list[str]:
     interruption ended; returns their ids."""
     from paritylab.sink.tracking import MlflowTracker, TrackingError
 
-    parent = str(state["parent_run_id"])
     try:
         tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
-        experiment = tracker.ensure_experiment()
-        running = tracker.call(
-            "find the sweep's running jobs", tracker.client.search_runs, [experiment],
-            filter_string=f"tags.`mlflow.parentRunId` = '{parent}' and attributes.status = 'RUNNING'",
-            max_results=1000,
-        )  # fmt: skip
-        closed = [run.info.run_id for run in running]
-        for run_id in closed:
-            tracker.call("close a job's run", tracker.client.set_terminated, run_id, "KILLED")
+        return tracker.store().close_running_children(str(state["parent_run_id"]))
     except TrackingError as error:
         print(f"paritylab: could not close the sweep's interrupted jobs: {error}")
         return []
-    return closed
 
 
 def summarise(jobs: list[dict[str, Any]], state: dict[str, Any]) -> str:
