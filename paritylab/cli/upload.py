@@ -17,6 +17,7 @@ from pathlib import Path
 from paritylab.sink.interrupts import EXIT_INTERRUPTED, sigterm_as_interrupt
 from paritylab.sink.publish import RunRecord, upload
 from paritylab.sink.tracking import TrackingError
+from paritylab.tracing.files import check_directory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _interrupted(directory: Path) -> bool:
     """Whether the run in ``directory`` was interrupted before its verdict: its record says KILLED (a run
-    interrupted while publishing kept its verdict and is not; a directory without a record is left to
-    :func:`~paritylab.sink.publish.upload` to refuse)."""
+    interrupted while publishing kept its verdict and is not; a directory without a record, or one that holds a
+    link out of it, is left to :func:`~paritylab.sink.publish.upload` to refuse)."""
     try:
+        check_directory(directory, "run")  # no file is opened in a directory that holds a link out of it
         return RunRecord.load(directory).status == "KILLED"
-    except ValueError:
+    except (ValueError, OSError):
         return False
 
 
