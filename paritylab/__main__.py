@@ -14,7 +14,8 @@ from paritylab.run.config import register
 
 register()
 _task_started = False
-"""Whether Hydra has called the task (a job ran here): an exception before that is Hydra's own (a bad override)."""
+"""Whether Hydra has called the task (a job ran here): an exception before that, and before a sweep started, is
+Hydra's own (a bad override)."""
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -84,7 +85,9 @@ def hydra_error(error: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(error, HydraException | OmegaConfBaseException) or not _task_started
+    from paritylab.sink.sweep import sweep_started
+
+    return isinstance(error, HydraException | OmegaConfBaseException) or not (_task_started or sweep_started())
 
 
 if __name__ == "__main__":
