@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paritylab.distributed.launch import RankContext
+from paritylab.distributed.launch import RankContext, takes_options
 
 DEFECTS = {
     "rank1_scaled": "rank 1 alone scales down_proj's output by 1.5",
@@ -22,6 +22,7 @@ DEFECTS = {
 }
 
 
+@takes_options("defect", "layer")
 def build(context: RankContext) -> nn.Module:
     """The rank's FSDP2-sharded Llama with the reference's weights; ``options["defect"]`` plants a bug."""
     from torch.distributed.fsdp import fully_shard

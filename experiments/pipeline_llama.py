@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paritylab.distributed.launch import RankContext
+from paritylab.distributed.launch import RankContext, takes_options
 
 DEFECTS = {
     "stage_scaled": "the stage holding layer `layer` scales that layer's down_proj output by 1.5",
@@ -102,6 +102,7 @@ class StageLlama(nn.Module):
         return None if hidden is None or self.lm_head is None else self.lm_head(hidden)
 
 
+@takes_options("defect", "layer")
 def build(context: RankContext) -> nn.Module:
     """The rank's stage of a Llama whose config is ``options["config"]`` (a ``LlamaConfig.to_dict()``) and whose
     weights are the reference's (``context.state_dict()``); ``options["defect"]`` plants a bug (:data:`DEFECTS`)."""

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from paritylab.distributed.launch import RankContext
+from paritylab.distributed.launch import RankContext, takes_options
 
 DEFECTS = {
     "missing_all_reduce": "o_proj's partial products are returned without the all-reduce that sums them",
@@ -54,6 +54,7 @@ def tp_plan(num_layers: int, *, defect: str | None = None, layer: int = 0) -> di
     return plan
 
 
+@takes_options("defect", "layer", "mesh")
 def build(context: RankContext) -> nn.Module:
     """The rank's share of a Llama whose config is ``options["config"]`` (a ``LlamaConfig.to_dict()``) and whose
     weights are the reference's (``context.state_dict()``), parallelised over all ranks; ``options["defect"]``

@@ -1,6 +1,7 @@
 """Break paritylab from outside, as a user would, and say for each fault whether the promise held.
 
-    python scripts/faults.py            # from a checkout with the project installed; ~3 minutes on 2 cores
+    python scripts/faults.py            # from a checkout with the project installed; ~8 minutes on 2 cores
+    python scripts/faults.py joblib     # only the faults whose name holds one of the words given
 
 Each fault runs the real commands (``python -m paritylab``, ``paritylab-compare``, ``paritylab-upload``) in a
 temporary directory that is removed afterwards, and is classified:
@@ -9,12 +10,13 @@ temporary directory that is removed afterwards, and is classified:
 - **degraded**: the outcome is safe but not as promised (slow, several lines, a traceback);
 - **broken**: a false PASS, a lost run, a hang, or the wrong exit code.
 
-This is the list of the reliability issues (#15, #28); the test suite covers each fault too, this re-runs them
+This is the list of the reliability issues (#15, #28, #44); the test suite covers each fault too, this re-runs them
 from outside the suite.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -316,6 +318,156 @@ def promote_a_failing_run(cwd: Path) -> Outcome:
     return outcome
 
 
+# -- round 4 (#44) --------------------------------------------------------------------------------------------------
+
+
+def unmatched_pattern(cwd: Path) -> Outcome:
+    """A ``compare.modules`` pattern that matches no module: the run goes on and says so."""
+    result, _ = app(cwd, "tracking=off", "compare.replay=false", "+compare.modules={nowhere.*: {rtol: 0.1}}")
+    notes = json.loads((cwd / "run" / "run.json").read_text())["notes"] if (cwd / "run" / "run.json").exists() else []
+    said = [note for note in notes if note.startswith("compare.modules.nowhere.* matches no module")]
+    if result.returncode != 0:
+        return "broken", f"exit {result.returncode}"
+    return ("held" if said else "degraded"), (said[0][:110] if said else "no note that the pattern matched nothing")
+
+
+def empty_input_ids(cwd: Path) -> Outcome:
+    code = (
+        "import sys, torch\nfrom safetensors.torch import save_file\n"
+        "save_file({'input_ids': torch.zeros(1, 0, dtype=torch.long)}, sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(cwd / "empty.safetensors")], env=ENV, check=True)
+    return config_fault("inputs=file", f"inputs.path={cwd / 'empty.safetensors'}")(cwd)
+
+
+def world_too_large(cwd: Path) -> Outcome:
+    """More ranks than the cores take (64 on a small machine): refused before any rank starts."""
+    world = max(64, 2 * (os.cpu_count() or 1) + 1)
+    outcome = config_fault("model=llama", "candidate=tp", f"candidate.world_size={world}", limit=30)(cwd)
+    if (cwd / "run" / "ranks").exists():
+        return "broken", "ranks were started"
+    return outcome
+
+
+RANK_LAUNCH = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from paritylab.distributed.launch import LaunchSpec, prepare, run_ranks
+root, mode = Path(sys.argv[1]), sys.argv[2]
+prepare(root / "ranks", {"x": torch.ones(3)}, None)
+spec = LaunchSpec("tests.test_rank_processes:spawning", 2, root / "ranks", grace_s=1.0,
+                  options={"mode": "hang" if mode == "sigint" else mode, "pids": str(root)},
+                  timeout_s=15 if mode == "hang" else 240)
+try:
+    run_ranks(spec)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def rank_grandchildren(mode: str) -> Callable[[Path], Outcome]:
+    """Each of 2 ranks starts two processes (one ignores SIGTERM); after the launch ends (``ok``, ``fail``,
+    ``hang`` past ``timeout_s``, ``sigint`` to the launcher) none of them may be left."""
+
+    def fault(cwd: Path) -> Outcome:
+        process = subprocess.Popen([sys.executable, "-c", RANK_LAUNCH, str(cwd), mode], cwd=cwd, env=ENV,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None and mode == "sigint":
+            if all((cwd / f"rank{rank}.pids").exists() for rank in (0, 1)):
+                time.sleep(0.5)
+                process.send_signal(signal.SIGINT)
+                break
+            time.sleep(0.1)
+        process.wait(timeout=300)
+        pids = [int(pid) for path in cwd.glob("rank*.pids") for pid in path.read_text().split()]
+        time.sleep(1.0)
+        left = [pid for pid in pids if _alive(pid)]
+        for pid in left:  # the harness cleans up what a broken launch left
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if len(pids) != 6:
+            return "broken", f"the harness saw {len(pids)} of 6 processes (launch exit {process.returncode})"
+        if left:
+            return "broken", f"{len(left)} of 6 processes (ranks and what they started) outlived the launch"
+        return "held", f"launch exit {process.returncode}; none of the 2 ranks and 4 processes they started is left"
+
+    return fault
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def ctrl_c_in_a_joblib_sweep(cwd: Path) -> Outcome:
+    database = cwd / "mlflow.db"
+    command = [sys.executable, "-m", "paritylab", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "compare.replay=false", f"tracking.uri=sqlite:///{database}", f"hydra.sweep.dir={cwd / 'sweep'}",
+               "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
+               "tests.faulty.slow_port"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        if any((cwd / "sweep").glob("0-*/run.json")) and any((cwd / "sweep").glob("1-*/candidate")):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    statuses = sorted(_statuses(database))
+    jobs = sorted(path.parent.name.split("-")[0] for path in (cwd / "sweep").glob("*/run.json"))
+    if process.returncode != 130 or "RUNNING" in statuses:
+        return "broken", f"exit {process.returncode}, MLflow runs {statuses}"
+    if jobs != ["0", "1"] or "Traceback" in out + err:
+        return "degraded", f"exit 130, runs {statuses}, run.json for jobs {jobs}"
+    return "held", f"exit 130, runs {statuses}, run.json for jobs {jobs}"
+
+
+def upload_an_interrupted_run(cwd: Path) -> Outcome:
+    outcome = sigterm_mid_run(cwd)
+    if not (cwd / "run" / "tracking.json").exists():
+        return "broken", f"no tracking.json after the SIGTERM ({outcome[1]})"
+    upload = [sys.executable, "-m", "paritylab.cli.upload", str(cwd / "run"), "--tracking-uri",
+              f"sqlite:///{cwd / 'later.db'}"]  # fmt: skip
+    refused, seconds = run(upload, cwd)
+    if refused.returncode == 0:
+        return "broken", "an interrupted run was published without being asked"
+    allowed, _ = run([*upload, "--allow-interrupted"], cwd)
+    statuses = _statuses(cwd / "later.db")
+    held = one_line_exit_2(refused, seconds, 30)
+    if held[0] != "held" or allowed.returncode != 0:
+        return "degraded", f"{held[1]}; with --allow-interrupted exit {allowed.returncode}"
+    return "held", f"refused (exit 2), published with --allow-interrupted as {statuses}: {held[1][:60]}"
+
+
+SLOW_IMPORT = "import time\nfrom pathlib import Path\nPath({marker!r}).write_text('importing')\ntime.sleep(120)\n"
+
+
+def sigterm_while_starting(cwd: Path) -> Outcome:
+    """SIGTERM while a single run imports its reference's builder (its start-up): no word of a sweep."""
+    marker = cwd / "importing"
+    (cwd / "slow_builder.py").write_text(SLOW_IMPORT.format(marker=str(marker)))
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(cwd), ENV["PYTHONPATH"]])}
+    command = [sys.executable, "-m", "paritylab", "tracking=off", "model.build._target_=slow_builder.build",
+               f"hydra.run.dir={cwd / 'run'}"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    if process.returncode != 130:
+        return "broken", f"exit {process.returncode}"
+    if "sweep" in out + err or "Traceback" in err:
+        return "degraded", f"exit 130: {err.strip().splitlines()[-1][:100]}"
+    return "held", f"exit 130: {err.strip()[:100]}"
+
+
 FAULTS: dict[str, Callable[[Path], Outcome]] = {
     "only the second output is wrong (a flipped bool mask)": check_pair(
         "Model('tuple')", "Model('tuple', 'mask')", "fail"
@@ -351,12 +503,32 @@ FAULTS: dict[str, Callable[[Path], Outcome]] = {
     "an invalid per-module pattern": config_fault("+compare.modules={'[': {rtol: 1e-3}}"),
     "model=llama candidate=port": config_fault("model=llama", "candidate=port"),
     "tracking.uri=htp://nowhere": config_fault("tracking.uri=htp://nowhere"),
+    "+compare.modules.fc2.rtoll=10 (a typo inside a per-module override)": config_fault(
+        "+compare.modules.fc2.rtoll=10"
+    ),
+    "a compare.modules pattern that matches no module": unmatched_pattern,
+    "+candidate.options.modle=x on a candidate that is not distributed": config_fault("+candidate.options.modle=x"),
+    "candidate=tp +candidate.options.defetc=rank1_scaled": config_fault(
+        "model=llama", "candidate=tp", "+candidate.options.defetc=rank1_scaled", limit=30
+    ),
+    "processes ranks started, after they succeed": rank_grandchildren("ok"),
+    "processes ranks started, after one fails": rank_grandchildren("fail"),
+    "processes ranks started, after timeout_s": rank_grandchildren("hang"),
+    "processes ranks started, after Ctrl-C to the launcher": rank_grandchildren("sigint"),
+    "candidate.world_size=64 on a small machine": world_too_large,
+    "Ctrl-C in a joblib multirun": ctrl_c_in_a_joblib_sweep,
+    "paritylab-upload of an interrupted run": upload_an_interrupted_run,
+    "-m with an override Hydra rejects (hydra.launcher.n_jobs=abc)": config_fault("-m", "hydra.launcher.n_jobs=abc"),
+    "a 0-length input_ids file (inputs=file)": empty_input_ids,
+    "SIGTERM while a single run starts": sigterm_while_starting,
 }
 
 
-def main() -> int:
+def main(words: list[str]) -> int:
     results = []
     for name, fault in FAULTS.items():
+        if words and not any(word.lower() in name.lower() for word in words):
+            continue
         scratch = Path(tempfile.mkdtemp(prefix="paritylab-fault-"))
         try:
             verdict, detail = fault(scratch)
@@ -372,4 +544,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -65,7 +65,7 @@ def preflight(argv: list[str]) -> None:
     if any(arg in _HYDRA_FLAGS for arg in argv):
         return
     overrides, config_dir, config_name = _split(argv)
-    from paritylab.run.config import check_complete, one_line
+    from paritylab.run.config import check_complete, check_module_entries, one_line
     from paritylab.run.overrides import additions, check_additions, explain, group_choices
 
     groups = group_choices([CONF_DIR, *([Path(config_dir)] if config_dir else [])])
@@ -76,7 +76,9 @@ def preflight(argv: list[str]) -> None:
         sys.exit(2)
     for variant in variants:
         try:
-            check_complete(compose(variant, config_dir, config_name))
+            composed = compose(variant, config_dir, config_name)
+            check_complete(composed)
+            check_module_entries(composed.compare.get("modules"))
             added = additions(variant, groups)
             if added:  # checked against the configuration before anything was added to it
                 check_additions(added, compose(_choices_only(variant, groups), config_dir, config_name))

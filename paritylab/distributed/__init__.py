@@ -38,6 +38,7 @@ from paritylab.distributed.launch import (
     prepare,
     run_ranks,
     state_dict_of,
+    takes_options,
 )
 from paritylab.distributed.localise import RankFinding, annotate_ranks, localise
 from paritylab.distributed.merge import MergedTrace, SlotMerge, merge_ranks
@@ -61,6 +62,7 @@ __all__ = [
     "merge_ranks",
     "rank_directories",
     "run_ranks",
+    "takes_options",
     "trace_rank",
 ]
 

@@ -9,7 +9,11 @@ processes as safetensors files only: the reference's weights and the call's inpu
 The rendezvous store is a ``TCPStore`` opened by this process on ``127.0.0.1`` with a port the OS assigns, so no
 port is guessed and raced for; the ranks connect to it (``MASTER_ADDR``/``MASTER_PORT`` are set for code that
 reads them). When a rank fails, the others get ``grace_s`` to notice (a gloo collective fails once its peer
-is gone) and are then stopped, so a run never hangs on a dead peer; ``timeout_s`` bounds the whole run.
+is gone) and are then stopped, so a run never hangs on a dead peer; ``timeout_s`` bounds the whole run. Each rank
+runs in its own session (its own process group), and however the run ends (success, a failure, the time limit,
+Ctrl-C) the whole group is killed: a process a rank started (a data loader's worker, a helper it forgot) never
+outlives it. The ranks are no part of the terminal's foreground group, so a Ctrl-C reaches this process only,
+which then stops them.
 
 Layout of ``directory``: ``launch.json`` (the spec every rank reads), ``weights.safetensors``,
 ``inputs.safetensors``, ``rank<k>.log`` (each rank's stdout and stderr: tracebacks), and per rank ``rank<k>/``
@@ -20,11 +24,13 @@ boundaries) and ``status.json`` (how far the rank got, and how it ended).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -261,6 +267,41 @@ def resolve(spec: str, what: str = "builder") -> Callable[..., Any]:
     return target
 
 
+OPTIONS_ATTRIBUTE = "paritylab_options"
+"""A builder's attribute naming the ``context.options`` it reads (set by :func:`takes_options`)."""
+ALWAYS_GIVEN = ("config",)
+"""Options paritylab may add itself (a transformers reference's ``config.to_dict()``): every builder takes them."""
+
+
+def takes_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the ``context.options`` a builder reads (``@takes_options("defect", "layer")``); any other option
+    is then refused in one line naming these, before a rank starts (and on a rank, for a launch made without the
+    command line). A builder that declares nothing takes any option."""
+
+    def declare(builder: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(builder, OPTIONS_ATTRIBUTE, tuple(dict.fromkeys([*ALWAYS_GIVEN, *names])))
+        return builder
+
+    return declare
+
+
+def unknown_option(builder: Callable[..., Any], named: str, options: Mapping[str, Any]) -> str | None:
+    """What is wrong with the first option ``builder`` (named ``named``) does not declare, as the end of a line
+    (``defetc: ... takes no option 'defetc' (did you mean defect?); it takes: config, defect, layer``); ``None``
+    when it declares none or knows them all."""
+    import difflib
+
+    known = getattr(builder, OPTIONS_ATTRIBUTE, None)
+    if known is None:
+        return None
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return f"{name}: {named} takes no option {str(name)!r}{hint}; it takes: {', '.join(known)}"
+    return None
+
+
 ORDER_KEY = "paritylab.order"
 """safetensors metadata: the tensors' names in the order they were given (the file itself sorts them)."""
 
@@ -338,15 +379,14 @@ def run_ranks(
             ]
             processes.append(
                 subprocess.Popen(
-                    [*command, str(rank)], stdout=log, stderr=subprocess.STDOUT, env=_rank_env(spec, rank, env)
+                    [*command, str(rank)], stdout=log, stderr=subprocess.STDOUT, env=_rank_env(spec, rank, env),
+                    start_new_session=True,  # its own process group: ending the rank ends everything it started
                 )
-            )
+            )  # fmt: skip
         timed_out = _wait(processes, spec, started)
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+            end_tree(process)
         for log in logs:
             log.close()
         del store
@@ -361,6 +401,17 @@ def run_ranks(
         )
         for variant in spec.variant_names
     ]
+
+
+def end_tree(process: subprocess.Popen[bytes]) -> None:
+    """Kill ``process`` and every process of its group (it leads one: ``start_new_session``), then reap it. Run
+    after a rank exits too: what it started and left behind is in its group and goes with it."""
+    if hasattr(os, "killpg"):  # an empty group (the rank and all it started are gone) is no error
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    if process.poll() is None:
+        process.kill()
+    process.wait()
 
 
 def _wait(processes: Sequence[subprocess.Popen[bytes]], spec: LaunchSpec, started: float) -> bool:

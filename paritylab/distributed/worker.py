@@ -29,6 +29,7 @@ from paritylab.distributed.launch import (
     RankContext,
     load_tensors,
     resolve,
+    unknown_option,
 )
 from paritylab.distributed.rank import trace_rank
 from paritylab.tracing.files import write_json
@@ -98,7 +99,11 @@ def _run_variant(spec: LaunchSpec, rank: int, variant: str | None, status: _Stat
     trace: Trace | None = None
     try:
         status.enter("build")
-        model = resolve(spec.builder)(context)
+        builder = resolve(spec.builder)
+        unknown = unknown_option(builder, spec.builder, context.options)
+        if unknown is not None:
+            raise ValueError(f"options.{unknown}")
+        model = builder(context)
         if not isinstance(model, nn.Module):
             raise TypeError(f"builder {spec.builder} returned {type(model).__name__}, not an nn.Module")
         inputs = {name: value.to(context.device) for name, value in load_tensors(spec.directory / INPUTS_FILE).items()}

@@ -256,6 +256,52 @@ def _refusal(tried: MemoryPlan, resident: str) -> str:
     )
 
 
+RANK_PROCESS = 300 * 2**20
+"""Resident bytes of one rank's process before its model: the interpreter and torch. Measured (``VmRSS`` of a
+fresh process, torch 2.13 on Linux x86-64): ``import torch`` 219 MiB; with ``torch.distributed`` and paritylab's
+worker 224 MiB; with transformers and the example TP builder 280 MiB. Rounded up to 300 MiB."""
+
+RANKS_PER_CORE = 2
+"""At most this many ranks per core: gloo ranks compute and wait on each other's collectives, and past two a core
+a world spends its time switching (64 ranks on 2 cores reached load 75 before their first forward)."""
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def plan_ranks(world_size: int, cores: int, free: int | None, weights: int = 0) -> str:
+    """Whether ``world_size`` rank processes fit this machine: each is a process of :data:`RANK_PROCESS` bytes
+    before its model, plus ``weights`` (every rank reads the reference's whole weights, and a builder typically
+    builds the whole model before it shards it), within :data:`SHARE` of ``free``; and at most
+    :data:`RANKS_PER_CORE` ranks per core. Returns the plan as one line; a world that does not fit is a
+    :class:`ConfigError` saying how many ranks would."""
+    per_rank = RANK_PROCESS + weights
+    by_cores = max(1, cores * RANKS_PER_CORE)
+    by_memory = int(SHARE * free // per_rank) if free is not None else None
+    fit = by_cores if by_memory is None else min(by_cores, by_memory)
+    needed = world_size * per_rank
+    line = (
+        f"{world_size} rank processes need about {_gib(needed)} ({_gib(per_rank)} each: interpreter, torch"
+        f"{' and the weights' if weights else ''}) on {cores} cores"
+    )
+    if world_size <= fit:
+        return line + (f" ({_gib(free)} free)" if free is not None else "")
+    reasons = []
+    if world_size > by_cores:
+        reasons.append(f"{cores} cores take at most {by_cores} ranks ({RANKS_PER_CORE} per core)")
+    if by_memory is not None and world_size > by_memory:
+        reasons.append(f"{_gib(free)} free takes at most {by_memory}")
+    fits = f"at most {fit} ranks fit here: use candidate.world_size={fit} or fewer" if fit >= 1 else "no rank fits"
+    raise ConfigError(f"candidate.world_size={world_size}: {line}, and {' and '.join(reasons)}; {fits}")
+
+
 def disk_free(directory: Path) -> int | None:
     """Bytes free on the file system of ``directory`` (or its nearest existing parent)."""
     for candidate in (directory, *directory.parents):

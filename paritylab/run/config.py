@@ -8,6 +8,7 @@ Configs with ``_target_`` import and run code: trust them as you trust code.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import importlib
@@ -15,6 +16,7 @@ import importlib.resources
 import inspect
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,16 @@ class InputsConfig:
     a JSONL file, one ``{"prompt": "..."}`` or ``{"input_ids": [...]}`` per line (the lines are the batch)."""
     tokenizer: str | None = None
     """``kind=prompts``: the tokenizer (a directory or hub id) for text prompts; default: ``model.build.pretrained``."""
+
+
+@dataclass
+class ModuleTolerance:
+    """One ``compare.modules`` entry, ``{pattern: {rtol:, atol:}}``: the tolerances of the reference modules whose
+    path matches ``pattern`` (fnmatch); unset keeps the run's. Every entry is checked against these fields
+    (:func:`check_module_entries`), so a typo (``rtoll``) is refused, never ignored."""
+
+    rtol: float | None = None
+    atol: float | None = None
 
 
 @dataclass
@@ -329,6 +341,7 @@ def check_settings(cfg: DictConfig) -> None:
             f"generate.steps={generate.steps} generate.top_k={generate.top_k}: steps must be 0 (off) or more, "
             "top_k 1 or more"
         )
+    check_module_entries(compare.get("modules"))
     try:
         tolerances = Tolerances.from_config(OmegaConf.to_container(compare, resolve=True))  # type: ignore[arg-type]
     except ValueError as error:
@@ -352,7 +365,76 @@ def check_settings(cfg: DictConfig) -> None:
     if kind in ("file", "prompts") and not (path and Path(str(path)).is_file()):
         what = "a safetensors file of named tensors" if kind == "file" else 'a JSONL file of {"prompt": ...} lines'
         raise ConfigError(f"inputs={kind} needs inputs.path=<{what}>; got {path!r}")
+    if kind == "file":
+        check_input_file(str(path))
     check_ranks(cfg)
+
+
+def check_input_file(path: str) -> None:
+    """``inputs=file``: a readable safetensors file whose every tensor has elements, read from its header only (a
+    0-length ``input_ids`` would otherwise compare zero elements and PASS over nothing)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as opened:
+            shapes = {str(name): list(opened.get_slice(name).get_shape()) for name in opened.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ConfigError(f"inputs.path={path!r} is not a readable safetensors file: {error}") from error
+    if not shapes:
+        raise ConfigError(f"inputs.path={path!r} holds no tensors: save named inputs such as input_ids")
+    for name, shape in shapes.items():
+        if 0 in shape:
+            raise ConfigError(
+                f"inputs.path={path!r}: {name} has no elements (shape {shape}); a comparison over nothing proves "
+                "nothing: save inputs with at least one element each"
+            )
+
+
+MODULE_KEYS = tuple(field.name for field in dataclasses.fields(ModuleTolerance))
+
+
+def check_module_entries(modules: Any) -> None:
+    """Every ``compare.modules`` entry is a mapping of :class:`ModuleTolerance`'s keys; an unknown key is refused
+    in one line with the closest known one (``compare.modules.fc2.rtoll``: did you mean ``...fc2.rtol``?)."""
+    import difflib
+
+    if modules is None:
+        return
+    if not isinstance(modules, DictConfig | dict):
+        raise ConfigError(f"compare.modules must map module path patterns to {{rtol:, atol:}}, got {modules!r}")
+    for pattern, entry in modules.items():
+        key = f"compare.modules.{pattern!s}"
+        if not isinstance(entry, DictConfig | dict):
+            raise ConfigError(f"{key}={entry!r} must be {{rtol:, atol:}} (e.g. +{key}.rtol=1e-3)")
+        for named, value in entry.items():
+            name = str(named)
+            if name in MODULE_KEYS:
+                continue
+            close = difflib.get_close_matches(name, MODULE_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean {key}.{close[0]}?)" if close else ""
+            dotted = (
+                f"; a pattern with dots is given whole: '+compare.modules={{{pattern!s}.{name}: {{rtol: 1e-3}}}}'"
+                if isinstance(value, DictConfig | dict)
+                else ""
+            )
+            raise ConfigError(
+                f"{key}.{name} is not a per-module setting{hint}: an entry takes {', '.join(MODULE_KEYS)}{dotted}"
+            )
+
+
+def unmatched_patterns(modules: Any, paths: Iterable[str]) -> list[str]:
+    """The ``compare.modules`` patterns that match none of ``paths`` (the reference's module paths), as notes: a
+    tolerance that was set and never applied is said, not silently dropped."""
+    import fnmatch
+
+    patterns = [str(pattern) for pattern in (modules or {})]
+    known = list(dict.fromkeys(paths))
+    return [
+        f"compare.modules.{pattern} matches no module of the reference: its tolerances were not applied "
+        "(patterns are fnmatch on module paths, e.g. 'model.layers.*.mlp')"
+        for pattern in patterns
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in known)
+    ]
 
 
 BUILDER_FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -389,6 +471,12 @@ def check_ranks(cfg: DictConfig) -> None:
                 f"candidate.world_size={world_size} needs candidate.kind=distributed and a candidate.builder run on "
                 "every rank (e.g. candidate=tp); other candidates run in this process"
             )
+        for name in candidate.get("options") or {}:
+            where = "candidate.ports.<family>.build" if str(candidate.kind) == "port" else "candidate.build"
+            raise ConfigError(
+                f"candidate.options.{name!s} is read only by a distributed candidate's builder (candidate.kind="
+                f"distributed), and this candidate is a {candidate.kind}: its builder's arguments go under {where}"
+            )
         return
     builder = candidate.get("builder")
     if not builder or not BUILDER_FORM.fullmatch(str(builder)):
@@ -397,6 +485,13 @@ def check_ranks(cfg: DictConfig) -> None:
             "(e.g. candidate.builder=paritylab.experiments.tp_llama:build)"
         )
     check_dist_backend(str(candidate.get("dist_backend", "gloo")), int(world_size))
+    if cfg.get("memory_check", True):  # the ranks' processes and cores, before anything is built
+        import torch
+
+        from paritylab.run.budget import cores, plan_ranks
+        from paritylab.run.resident import available_memory
+
+        plan_ranks(int(world_size), cores(), available_memory(torch.device("cpu")))
     if candidate.call.args or candidate.call.kwargs:
         raise ConfigError(
             "candidate.call.args/kwargs are not used by a distributed candidate: every rank calls "
@@ -452,7 +547,13 @@ def check_targets(cfg: DictConfig) -> None:
     for key, node in nodes:
         check_target(key, OmegaConf.to_container(node, resolve=True), allowed_extra=("reference",))
     if str(cfg.candidate.kind) == "distributed":
-        resolve_builder("candidate.builder", str(cfg.candidate.builder))
+        from paritylab.distributed.launch import unknown_option
+
+        named = str(cfg.candidate.builder)
+        builder = resolve_builder("candidate.builder", named)
+        unknown = unknown_option(builder, named, OmegaConf.to_container(cfg.candidate.options, resolve=True))  # type: ignore[arg-type]
+        if unknown is not None:
+            raise ConfigError(f"candidate.options.{unknown}")
 
 
 def resolve_builder(key: str, named: str) -> Any:

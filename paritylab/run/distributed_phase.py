@@ -27,6 +27,8 @@ from paritylab.comparison.alignment import Rule
 from paritylab.comparison.metrics import Tolerances
 from paritylab.distributed import DistributedResult, LaunchResult, LaunchSpec, compare_ranks, run_ranks
 from paritylab.distributed.launch import WEIGHTS_FILE, prepare, state_dict_of
+from paritylab.run.budget import cores, plan_ranks
+from paritylab.run.resident import available_memory
 from paritylab.tracing.tracefile import Trace
 
 FREE_RUN_ONLY = "distributed candidate: free run only (no noise floor, replay, drill-down or decode steps)"
@@ -50,6 +52,10 @@ def launch(
     failure (the result says which rank failed, and how). The reference's weights are handed to the ranks as a
     safetensors file, deleted once they have run (the run directory is published: it holds no weights)."""
     candidate = cfg.candidate
+    if cfg.get("memory_check", True):  # with the weights every rank reads, before any rank starts
+        weights = sum(value.numel() * value.element_size() for value in state_dict_of(reference).values())
+        line = plan_ranks(int(candidate.world_size), cores(), available_memory(torch.device("cpu")), weights)
+        echo(f"paritylab: rank plan: {line}")
     ranks = directory / RANKS_DIR
     dropped = set(candidate.call.drop)
     prepare(ranks, {name: value for name, value in inputs.items() if name not in dropped}, state_dict_of(reference))

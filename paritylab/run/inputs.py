@@ -21,6 +21,10 @@ def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None
         raise ConfigError(
             f"inputs.batch_size={cfg.batch_size} and inputs.prompt_length={cfg.prompt_length} must be at least 1"
         )
+    return not_empty(_inputs(cfg, family, model, pretrained), str(cfg.kind))
+
+
+def _inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None) -> dict[str, torch.Tensor]:
     if str(cfg.kind) == "processor":
         return processor_inputs(cfg, pretrained)
     if str(cfg.kind) == "file":
@@ -32,6 +36,17 @@ def build_inputs(cfg: Any, family: str, model: nn.Module, pretrained: str | None
     if family == "llava":
         return llava_inputs(config, cfg.batch_size, cfg.prompt_length, generator)
     return synthetic_inputs(model, cfg.batch_size, cfg.prompt_length, generator)
+
+
+def not_empty(inputs: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """``inputs``, refused (:class:`ConfigError`) when one holds no elements: a run over nothing never PASSes."""
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            raise ConfigError(
+                f"inputs={kind}: {name} has no elements (shape {list(value.shape)}); a comparison over nothing "
+                "proves nothing: give inputs with at least one element each"
+            )
+    return inputs
 
 
 def file_inputs(path: str | None) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ from paritylab.run.budget import (
     plan,
 )
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
-from paritylab.run.config import ConfigError, check_targets, check_writable, one_line
+from paritylab.run.config import ConfigError, check_targets, check_writable, one_line, unmatched_patterns
 from paritylab.run.identity import run_name, run_tags
 from paritylab.run.inputs import build_inputs
 from paritylab.run.lifting import lift
@@ -254,6 +254,9 @@ class _Session:
         self._mark("build reference")
         ref_trace = self._trace("reference", reference, ref_run)
         self._check_output("model", ref_trace)
+        for note in unmatched_patterns(cfg.compare.modules, (call.path for call in ref_trace.calls)):
+            self.notes.append(note)  # a per-module tolerance that applies nowhere is said, never silently dropped
+            self.echo(f"paritylab: note: {note}")
         self._mark("trace reference")
         if distributed_phase.is_distributed(cfg.candidate):
             return self._distributed(reference, inputs, ref_trace)

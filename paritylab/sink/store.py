@@ -80,6 +80,11 @@ class Store(Protocol):
 
     def next_sweep_number(self) -> int: ...
 
+    def close_running_children(self, parent_run_id: str) -> list[str]:
+        """Mark KILLED the runs nested under ``parent_run_id`` still RUNNING (a sweep's jobs its interruption
+        ended with their processes); returns their ids."""
+        ...
+
 
 class MlflowStore:
     """:class:`Store` on MLflow, sharing a tracker's client, experiment and failure handling (every MLflow
@@ -183,6 +188,13 @@ class MlflowStore:
         for run_id in stale:
             self._call("close a stale run", self.client.set_terminated, run_id, "KILLED")
         return stale
+
+    def close_running_children(self, parent_run_id: str) -> list[str]:
+        condition = f"tags.`mlflow.parentRunId` = '{_quote(parent_run_id)}' and attributes.status = 'RUNNING'"
+        running = [run.run_id for run in self._search("find the sweep's running jobs", condition, 1000)]
+        for run_id in running:
+            self._call("close a job's run", self.client.set_terminated, run_id, "KILLED")
+        return running
 
     def next_sweep_number(self) -> int:
         experiment = self._call("read the experiment", self.client.get_experiment, self.experiment_id)

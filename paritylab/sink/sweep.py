@@ -10,6 +10,7 @@ exceptions raised in callbacks and skips ``on_multirun_end`` when a job raises.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -92,6 +93,11 @@ def sweep_state() -> dict[str, Any] | None:
         return None
 
 
+def sweep_started() -> bool:
+    """Whether this process opened a sweep (:func:`start_sweep`): a multirun past its start."""
+    return _current is not None
+
+
 def finish_sweep(directory: Path | None = None, interrupted: bool = False) -> int:
     """Summarise the sweep's jobs (printed and logged on the parent run); returns the process exit code:
     0 when every job passed without regression, 1 when one failed or regressed, 2 when one errored, 130 when
@@ -108,6 +114,8 @@ def finish_sweep(directory: Path | None = None, interrupted: bool = False) -> in
     print(summary)
     (directory / "sweep_summary.md").write_text(summary, encoding="utf-8")
     if state.get("parent_run_id"):
+        if interrupted:  # a job killed with its worker (joblib) never closed its run: close it here
+            state["children_killed"] = _close_children(state)
         _close_parent(state, directory, jobs, summary, code)
     state.update(finished=True, exit_code=code)
     _write(directory, state)
@@ -136,14 +144,53 @@ def _jobs(directory: Path, interrupted: bool = False) -> list[dict[str, Any]]:
         try:
             job = json.loads((job_dir / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            job = (
-                {"exit_code": EXIT_INTERRUPTED, "verdict": "interrupted", "error": "interrupted", "link": ""}
-                if interrupted
-                else {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
-            )
+            if interrupted:  # killed with its worker: its run.json says how far it got
+                job = _interrupted_job(job_dir)
+                with contextlib.suppress(OSError):
+                    write_json(job_dir / "run.json", job, indent=1)
+            else:
+                job = {"exit_code": 2, "verdict": "error", "error": "the job ended without a result", "link": ""}
         job["directory"] = job_dir.name
         jobs.append(job)
     return jobs
+
+
+def _interrupted_job(job_dir: Path) -> dict[str, Any]:
+    """``run.json`` of a job the interruption ended before it wrote one. A job that reached its verdict (its
+    ``tracking.json`` holds it) keeps that verdict, unpublished; otherwise it was interrupted mid-run. Either way
+    its status is KILLED and its exit code 130."""
+    job: dict[str, Any] = {
+        "status": "KILLED", "exit_code": EXIT_INTERRUPTED, "verdict": "interrupted", "link": "",
+        "error": "interrupted: the sweep was stopped while this job ran",
+    }  # fmt: skip
+    try:
+        record = json.loads((job_dir / "tracking.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return job
+    tags = record.get("tags") if isinstance(record, dict) else None
+    if not isinstance(tags, dict):
+        return job
+    verdict = tags.get("paritylab.verdict")
+    if record.get("status") == "FINISHED" and isinstance(verdict, str):
+        job.update(
+            verdict=verdict,
+            first_divergence=tags.get("paritylab.first_divergence"),
+            error=f"interrupted while publishing: the verdict is kept; paritylab-upload {job_dir} publishes it",
+        )
+    return job
+
+
+def _close_children(state: dict[str, Any]) -> list[str]:
+    """Mark KILLED every run of this sweep (nested under its parent) still RUNNING: the jobs it started and the
+    interruption ended; returns their ids."""
+    from paritylab.sink.tracking import MlflowTracker, TrackingError
+
+    try:
+        tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
+        return tracker.store().close_running_children(str(state["parent_run_id"]))
+    except TrackingError as error:
+        print(f"paritylab: could not close the sweep's interrupted jobs: {error}")
+        return []
 
 
 def summarise(jobs: list[dict[str, Any]], state: dict[str, Any]) -> str:
