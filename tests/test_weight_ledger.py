@@ -473,3 +473,50 @@ def test_two_halves_of_a_weight_swapped_are_named_at_its_module_with_the_rows_th
         "fc_mid.weight holds the reference's 2.weight: the same rows in another order: rows 0-15 hold the "
         "reference's rows 16-31, rows 16-31 hold the reference's rows 0-15"
     ) in headline(report)
+
+
+class ActMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class FunctionalMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1, self.linear2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.gelu(self.linear1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, mlp: type[nn.Module]) -> None:
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(16, 16), mlp(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(torch.relu(self.inp(x))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_halves_swapped_before_an_activation_with_no_counterpart_are_named_at_the_projection(tmp_path, dtype):
+    """MONAI's MLP calls GELU as a function where the reference has a module: the swapped halves are still charged
+    to the projection that made them, not to the activation nor to the MLP's own code."""
+    torch.manual_seed(0)
+    reference, candidate = Block(ActMLP), Block(FunctionalMLP)
+    state = {
+        key.replace("fc1", "linear1").replace("fc2", "linear2"): value for key, value in reference.state_dict().items()
+    }
+    candidate.load_state_dict(state)
+    with torch.no_grad():
+        for tensor in (candidate.mlp.linear1.weight, candidate.mlp.linear1.bias):
+            tensor.copy_(torch.cat([tensor[32:], tensor[:32]]))
+    candidate = candidate.to(dtype)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))).report
+    assert report.first_divergence is not None and report.first_divergence.path == "mlp.fc1", headline(report)
+    assert "its output agrees only with its features in another order, and mlp.fc2 is handed them" in headline(report)

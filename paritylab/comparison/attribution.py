@@ -20,6 +20,8 @@ from paritylab.comparison.alignment import (
 from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
 from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
 from paritylab.comparison.report import (
+    REORDERED,
+    REORDERED_WHY,
     Report,
     Row,
     ancestors,
@@ -28,6 +30,7 @@ from paritylab.comparison.report import (
     producer_row,
     received_calls,
     relative_error,
+    reordered_rows,
     slot_value,
     unmatched_feeding,
     unmatched_maker,
@@ -71,6 +74,7 @@ def attach_replay(
     fed_wrong: dict[int, tuple[Row, str]] = {}
     by_index = {row.index: row for row in report.rows}
     received = received_calls(reference)
+    reordered = reordered_rows(report.alignment, reference)
     fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
     exact = exact_pair(replay_report.rows)
     widest = widest_floors(reference, local_floor) if floor_loosens_only and local_floor else {}
@@ -110,7 +114,7 @@ def attach_replay(
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs, floor_loosens_only):
-            blamed = _unreplaced_source(row, by_index, reference, received)
+            blamed = _unreplaced_source(row, by_index, reference, received, reordered)
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
                 diverged, reason = False, None
@@ -302,7 +306,7 @@ def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRec
 
 
 def _unreplaced_source(
-    row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]
+    row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int], reordered: set[int]
 ) -> tuple[Row, str] | None:
     """Where a value the replay could not replace was made: the module whose value the candidate changes after it
     (:func:`~paritylab.comparison.verify.verify_pairs` charged it) or with no counterpart that produced the row's
@@ -312,6 +316,9 @@ def _unreplaced_source(
     if producer is not None and CHANGED_AFTER in producer.metrics:  # the candidate changed its value on the way
         return producer, producer.note
     if producer is not None and producer.status == "unmatched":
+        upstream = producer_row(dict(by_index), reference, producer)
+        if upstream is not None and upstream.index in reordered:  # it hands on a reordered module's output
+            return upstream, f"{REORDERED}, and {where} is handed them in that order: {REORDERED_WHY}"
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
     source = unmatched_feeding(row, by_index, reference, received)

@@ -132,12 +132,7 @@ def compare_traces(
 
     charged = verify_pairs(rows, reference, candidate, alignment, partner, rejudge)
     _infer_inputs(rows, reference)
-    reordered = {
-        reference.call(pair.reference).index
-        for pair in alignment.pairs
-        if pair.candidate_part is not None and pair.candidate_part.whole
-    }
-    origins = _localise(rows, reference, reordered)
+    origins = _localise(rows, reference, reordered_rows(alignment, reference))
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
@@ -149,6 +144,8 @@ def compare_traces(
             reason += "; it has no counterpart in the candidate"
         elif first.index in charged:
             reason = charged[first.index]
+        elif REORDERED in first.note:
+            reason = first.note
         elif first.status == "unmatched":
             reason = "divergence starts inside this module, which has no counterpart in the candidate"
     elif any(row.verdict == "fail" for row in rows):
@@ -507,12 +504,13 @@ def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
         producer = producer_row(by_index, reference, row)
+        if producer is not None and producer.status == "unmatched":  # an elementwise step with no counterpart
+            upstream = producer_row(by_index, reference, producer)
+            if upstream is not None and upstream.index in reordered and not upstream.diverged:
+                producer = upstream  # it hands on what a reordered module made, in the order it made it
         if producer is not None and producer.index in reordered and not producer.diverged:
             producer.diverged, producer.verdict = True, "fail"
-            finding = (
-                f"its output agrees only with its features in another order, and {row.path or '<root>'} is handed "
-                "them in that order: its weight's rows are the reference's, reordered"
-            )
+            finding = f"{REORDERED}, and {row.path or '<root>'} is handed them in that order: {REORDERED_WHY}"
             producer.note = f"{producer.note}; {finding}" if producer.note else finding
             if producer not in starts:
                 starts.append(producer)
@@ -529,6 +527,14 @@ def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set
     for row in rows:  # the first child given a diverging value by its parent's own code
         if not (row.diverged and row.input_known and row.input_diverged) or any(s.index < row.index for s in starts):
             continue
+        sibling = _reordered_sibling(row, rows, reordered)
+        if sibling is not None:  # its output, read in its own order by the parent's code, reached ``row``
+            sibling.diverged, sibling.verdict = True, "fail"
+            parent = by_index[row.parent].path or "<root>"  # type: ignore[index]
+            finding = f"{REORDERED}, and {parent}'s own code hands {row.path} a value that diverges: {REORDERED_WHY}"
+            sibling.note = f"{sibling.note}; {finding}" if sibling.note else finding
+            starts.append(sibling)
+            break
         source = unmatched_feeding(row, by_index, reference, received_calls(reference))
         if source is not None:
             source.diverged = True
@@ -554,6 +560,33 @@ def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set
         else:
             row.cause = "inherited"
     return sorted(origins, key=lambda row: row.index)
+
+
+def reordered_rows(alignment: Alignment, reference: Trace) -> set[int]:
+    """Reference call indices whose pair compares the candidate's output with its features reordered (the two
+    modules hold the same weight rows in another order)."""
+    return {
+        reference.call(pair.reference).index
+        for pair in alignment.pairs
+        if pair.candidate_part is not None and pair.candidate_part.whole
+    }
+
+
+REORDERED = "its output agrees only with its features in another order"
+REORDERED_WHY = "its weight's rows are the reference's, reordered"
+
+
+def _reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
+    """The last module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when
+    every compared row between them agrees: what the parent's code made of that output is what ``row`` was given."""
+    if row.parent is None or not reordered:
+        return None
+    for other in reversed([other for other in rows if row.parent == other.parent and other.index < row.index]):
+        if other.index in reordered and not other.diverged:
+            return other
+        if other.diverged:
+            return None
+    return None
 
 
 def _own_weights(row: Row) -> bool:
