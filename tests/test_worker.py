@@ -69,6 +69,8 @@ def test_the_run_process_never_imports_mlflow(tmp_path):
     logged = MlflowClient(uri).get_run(run_id)
     assert logged.info.status == "FINISHED" and logged.data.tags["paritylab.verdict"] == "pass"
     assert logged.data.metrics["summary/failing_modules"] == 0
+    assert logged.data.metrics["summary/weights_differing"] == 0  # the weight ledger: every port weight matched
+    assert logged.data.metrics["summary/unaccounted_calls"] == 0  # the call ledger: every reference call checked
 
 
 def _record(uri: str) -> RunRecord:
