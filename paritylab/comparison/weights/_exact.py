@@ -1,0 +1,72 @@
+"""Exact matches beyond fingerprints: rows of fused, split or cut tensors (each reference row counted once), and the
+layout a same-valued tensor is in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy
+
+from paritylab.comparison.weights._records import (
+    MAX_LISTED,
+    Held,
+)
+
+
+def _row_index(items: Iterable[Held]) -> dict[tuple[int, int], int]:
+    """(row width, row hash) -> how many reference rows of that width hash so (2-D tensors keeping row hashes)."""
+    index: dict[tuple[int, int], int] = {}
+    for item in items:
+        if item.print.row_bytes and len(item.print.shape) == 2:
+            width = item.print.shape[1]
+            for value in numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist():
+                index[(width, value)] = index.get((width, value), 0) + 1
+    return index
+
+
+def _all_rows_held(item: Held, rows: Mapping[tuple[int, int], int]) -> bool:
+    """Every row of a 2-D candidate tensor is a row some reference tensor holds, each at most as often as the
+    reference holds it: a fused projection against separate ones, a part of a fused one, a table cut to some of its
+    rows. (A block of rows overwritten with a copy of another block holds every row, one of them twice: not this.)"""
+    if not item.print.row_bytes or len(item.print.shape) != 2:
+        return False
+    width = item.print.shape[1]
+    values = [value for value in numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist() if value]
+    counts: dict[int, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return bool(values) and all(rows.get((width, value), 0) >= count for value, count in counts.items())
+
+
+def _layout(ours: Held, theirs: Held) -> str | None:
+    """How a candidate tensor holding exactly the reference tensor's values lays them out, when it differs."""
+    a, b = ours.print, theirs.print
+    if not a.row_bytes or not b.row_bytes or a.row_bytes == b.row_bytes:
+        return None
+    if a.shape == b.shape[::-1] and a.row_bytes == b.col_bytes and a.col_bytes == b.row_bytes:
+        return "the same values, transposed"
+    if a.shape == b.shape and a.col_bytes == b.col_bytes:
+        ref_rows = numpy.frombuffer(a.row_bytes, dtype="<u8")
+        cand_rows = numpy.frombuffer(b.row_bytes, dtype="<u8")
+        if sorted(ref_rows.tolist()) == sorted(cand_rows.tolist()):
+            return "the same rows in another order: " + _row_runs(ref_rows, cand_rows)
+    return None
+
+
+def _row_runs(ref_rows: numpy.ndarray, cand_rows: numpy.ndarray) -> str:
+    """Which reference rows each run of candidate rows holds: ``rows 0-63 hold the reference's rows 64-127``."""
+    where: dict[int, list[int]] = {}
+    for position, value in enumerate(ref_rows.tolist()):
+        where.setdefault(value, []).append(position)
+    sources = [where[value].pop(0) for value in cand_rows.tolist()]
+    runs: list[tuple[int, int, int]] = []  # (first candidate row, first reference row, length)
+    for position, source in enumerate(sources):
+        if runs and runs[-1][1] + runs[-1][2] == source and runs[-1][0] + runs[-1][2] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, source, 1))
+    moved = [run for run in runs if run[0] != run[1]]
+    text = [f"rows {start}-{start + size - 1} hold the reference's rows {source}-{source + size - 1}"
+            for start, source, size in moved[:MAX_LISTED]]  # fmt: skip
+    more = f" and {len(moved) - MAX_LISTED} more runs" if len(moved) > MAX_LISTED else ""
+    return ", ".join(text) + more

@@ -1,0 +1,127 @@
+"""The ledger itself: every candidate tensor matched (exactly, near or by blocks), and the modules its near
+matches pair."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from paritylab.comparison.weights._blocks import (
+    _by_blocks,
+    _by_tiles,
+)
+from paritylab.comparison.weights._describe import _describe
+from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
+from paritylab.comparison.weights._near import (
+    _nearest,
+)
+from paritylab.comparison.weights._records import (
+    Held,
+    WeightFinding,
+    WeightLedger,
+    _named,
+    _numel,
+    _value_key,
+    held,
+)
+from paritylab.tracing.structure import ModulePrint
+
+
+def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, ModulePrint]) -> WeightLedger:
+    """Match every candidate tensor to the reference's: exactly (fingerprints, rows of fused or cut tables), else by
+    nearness of values; describe each near match and each same-valued tensor in another layout."""
+    ledger = WeightLedger()
+    ours, theirs = held(reference), held(candidate)
+    if not ours or not theirs:
+        return ledger
+    digests: dict[int, list[Held]] = {}
+    for item in ours:
+        digests.setdefault(item.print.digest, []).append(item)
+        if item.print.shifted:
+            digests.setdefault(item.print.shifted, []).append(item)
+    rows = _row_index(ours)
+    open_theirs: list[Held] = []
+    claimed: set[int] = set()
+    for item in theirs:
+        same = [twin for twin in digests.get(item.print.digest, ()) if _numel(twin) == _numel(item)]
+        same += [
+            twin for twin in digests.get(item.print.shifted, ()) if item.print.shifted and _numel(twin) == _numel(item)
+        ]
+        if same:
+            ledger.matched += 1
+            claimed.update(id(twin) for twin in same)
+            layout = _layout(same[0], item) if len(same) == 1 else None
+            if layout:
+                ledger.findings.append(_finding(same[0], item, "layout", layout))
+            continue
+        if _all_rows_held(item, rows):
+            ledger.matched += 1
+            continue
+        open_theirs.append(item)
+    open_ours = [item for item in ours if id(item) not in claimed and item.print.sketch]
+    near = _nearest(open_ours, open_theirs)
+    for item in open_theirs:
+        match = near.get(id(item))
+        if match is None:
+            blocks = _by_blocks(item, ours) if len(item.print.shape) == 2 else _by_tiles(item, ours)
+            if blocks is None:
+                ledger.unmatched.append(item.name)
+                continue
+            ledger.matched += not blocks.findings and not blocks.unmatched
+            ledger.findings += blocks.findings
+            ledger.unmatched += blocks.unmatched
+            for finding, start, stop in blocks.parts:
+                ledger.part_pairs[finding.reference_module] = (finding.candidate_module, start, stop)
+            continue
+        twin, _, flipped = match
+        detail, rel_l2 = _describe(twin, item, flipped)
+        ledger.findings.append(_finding(twin, item, "differs", detail, rel_l2))
+    ledger.module_pairs = _module_pairs(ledger, reference, candidate)
+    return ledger
+
+
+def _finding(ours: Held, theirs: Held, kind: str, detail: str, rel_l2: float | None = None) -> WeightFinding:
+    return WeightFinding(theirs.name, ours.name, theirs.module, ours.module, kind, detail, rel_l2)
+
+
+def _module_pairs(
+    ledger: WeightLedger, reference: Mapping[str, ModulePrint], candidate: Mapping[str, ModulePrint]
+) -> dict[str, str]:
+    """Modules whose own tensors match one to one, one at least differing: reference path -> candidate path."""
+    near: dict[str, set[str]] = {}
+    for finding in ledger.differing:
+        near.setdefault(finding.candidate_module, set()).add(finding.reference_module)
+    pairs: dict[str, str] = {}
+    taken: set[str] = set()
+    for cand_path, ref_paths in near.items():
+        if len(ref_paths) != 1:
+            continue
+        ref_path = next(iter(ref_paths))
+        ours, theirs = reference.get(ref_path), candidate.get(cand_path)
+        if ours is None or theirs is None or ref_path in taken or not _one_to_one(ours, theirs, ledger):
+            continue
+        pairs[ref_path] = cand_path
+        taken.add(ref_path)
+    return pairs
+
+
+def _one_to_one(ours: ModulePrint, theirs: ModulePrint, ledger: WeightLedger) -> bool:
+    """Every value the candidate module holds is one the reference module holds, or a near copy of one of them, and
+    every distinct value the reference module holds is held so (a copy it keeps twice, as transformers keeps
+    ``inv_freq`` and ``original_inv_freq``, counts once)."""
+    near = {
+        finding.candidate: finding.reference
+        for finding in ledger.differing
+        if finding.candidate_module == theirs.path and finding.reference_module == ours.path
+    }
+    ref_values = {_value_key(param): param.name for param in (*ours.params, *ours.buffers)}
+    covered: set[tuple[int, int]] = set()
+    for param in (*theirs.params, *theirs.buffers):
+        name = f"{theirs.path}.{param.name}" if theirs.path else param.name
+        if name in near:
+            twin = next(p for p in (*ours.params, *ours.buffers) if _named(ours.path, p) == near[name])
+            covered.add(_value_key(twin))
+        elif _value_key(param) in ref_values:
+            covered.add(_value_key(param))
+        else:
+            return False
+    return covered == set(ref_values)

@@ -1,0 +1,132 @@
+"""The ledger's records: a tensor one side holds (:class:`Held`), a finding (:class:`WeightFinding`), the ledger
+(:class:`WeightLedger`), and the thresholds the matching uses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritylab.tracing.structure import ModulePrint, ParamPrint
+
+NEAR = 0.5
+"""A candidate tensor whose sketch lies within this relative distance of a reference tensor's holds that tensor
+with a defect (two unrelated tensors of one shape lie about ``sqrt(2)`` apart)."""
+
+
+NEAR_NAMESAKE = 1.0
+"""The same for a tensor of the same name, and the only one of its shape left open on either side: a table built
+from a wrong constant (rotary frequencies from base 500000 against 10000 lie 0.7 apart)."""
+
+
+UNIQUE = 0.5
+"""A near match must be at most this fraction of the distance to the second-nearest reference tensor."""
+
+
+ROUNDING = 2.0**-7
+"""Two values closer than this (relative) are equal up to a low-precision copy's rounding."""
+
+
+MAX_LISTED = 4
+
+
+@dataclass(frozen=True)
+class Held:
+    """One parameter or buffer of one side: the module holding it and its fingerprint."""
+
+    module: str
+    print: ParamPrint
+    buffer: bool = False
+
+    @property
+    def name(self) -> str:
+        return _named(self.module, self.print)
+
+
+@dataclass(frozen=True)
+class WeightFinding:
+    """A candidate tensor that holds a reference tensor with a defect, or in another layout."""
+
+    candidate: str
+    reference: str
+    candidate_module: str
+    reference_module: str
+    kind: str
+    """``differs`` (the values differ beyond rounding) or ``layout`` (the same values, in another order: transposed
+    or rows reordered; a port may mean it, so it is printed only where divergence starts)."""
+    detail: str
+    rel_l2: float | None = None
+
+    def line(self) -> str:
+        verb = "differs from" if self.kind == "differs" else "holds"
+        return f"{self.candidate} {verb} the reference's {self.reference}: {self.detail}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "reference": self.reference,
+            "candidate_module": self.candidate_module,
+            "reference_module": self.reference_module,
+            "kind": self.kind,
+            "detail": self.detail,
+            "rel_l2": self.rel_l2,
+        }
+
+
+@dataclass
+class WeightLedger:
+    """What every candidate tensor is, against the reference's."""
+
+    matched: int = 0
+    """Candidate tensors holding a reference tensor's values exactly (up to layout and rounding)."""
+    findings: list[WeightFinding] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    """Candidate tensors near no reference tensor (a port's own tables, extra parameters)."""
+    part_pairs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    """Reference module -> (candidate module, first, last + 1 output feature): a fused candidate weight one of whose
+    row blocks is the reference module's weight with a defect (the k rows of a ``[q; k; v]`` projection)."""
+    module_pairs: dict[str, str] = field(default_factory=dict)
+    """Reference module -> candidate module, for modules whose own tensors match one to one with at least one
+    differing: the alignment pairs them whatever their names and classes."""
+
+    @property
+    def differing(self) -> list[WeightFinding]:
+        return [finding for finding in self.findings if finding.kind == "differs"]
+
+    def at(self, *modules: str) -> list[WeightFinding]:
+        """The findings held by any of ``modules`` (paths on either side)."""
+        wanted = set(modules)
+        return [
+            finding
+            for finding in self.findings
+            if finding.reference_module in wanted or finding.candidate_module in wanted
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "matched": self.matched,
+            "findings": [finding.to_json() for finding in self.findings],
+            "unmatched": list(self.unmatched),
+        }
+
+
+def held(prints: Mapping[str, ModulePrint]) -> list[Held]:
+    """Every parameter and floating-point buffer a side's modules hold directly (each once)."""
+    found: list[Held] = []
+    for path, item in prints.items():
+        found += [Held(path, param) for param in item.params]
+        found += [Held(path, buffer, buffer=True) for buffer in item.buffers]
+    return found
+
+
+def _named(path: str, param: ParamPrint) -> str:
+    return f"{path}.{param.name}" if path else param.name
+
+
+def _numel(item: Held) -> int:
+    return math.prod(item.print.shape)
+
+
+def _value_key(param: ParamPrint) -> tuple[int, int]:
+    return param.digest, math.prod(param.shape)
