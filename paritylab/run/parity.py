@@ -33,7 +33,7 @@ from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import cast_in_place, widened_in_place
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
-from paritylab.tracing.values import iter_tensors
+from paritylab.tracing.values import iter_tensors, map_tensors
 
 Call = Callable[[nn.Module], Any]
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -526,6 +526,27 @@ def check(
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
 
 
+def private_call(call: Call) -> Call:
+    """``call``, with every tensor it hands the model's forward copied first: a forward that changes its input in
+    place (a preprocessing step) changes the copy, never the caller's tensor, however often the model runs again."""
+
+    def run(model: nn.Module) -> Any:
+        def copied(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return map_tensors(args, _clone), map_tensors(kwargs, _clone)
+
+        handle = model.register_forward_pre_hook(copied, with_kwargs=True, prepend=True)
+        try:
+            return call(model)
+        finally:
+            handle.remove()
+
+    return run
+
+
+def _clone(tensor: torch.Tensor, _: str) -> torch.Tensor:
+    return tensor.detach().clone()
+
+
 def drill_into_origin(
     report: Report,
     reference: nn.Module,
@@ -550,6 +571,7 @@ def drill_into_origin(
     first = report.first_divergence
     if report.passed or first is None or first.candidate is None or first.status != "compared":
         return report
+    reference_call, candidate_call = private_call(reference_call), private_call(candidate_call)
     key, forced_on = first.candidate.key, reference_trace
     dtype, own = first.candidate.dtype or "float32", first.local.get("local_rel_l2", first.rel_l2)
     try:
