@@ -36,8 +36,9 @@ class PairCase:
     unpaired: tuple[str, ...] = ()
     """Sites with no counterpart (the answer is the unmatched reference module in their place)."""
     weight_sites: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Modules planted in by weight plants only (``planted_weight``), with their counterparts: a table no site's
-    subtree holds (rotary frequencies computed once for every layer)."""
+    """The answer for weight plants (``planted_weight``) where it is not ``sites``': modules only weight plants plant
+    in (a table no site's subtree holds: rotary frequencies computed once for every layer), and sites whose own
+    weight's counterpart is held by another reference module than their output's (Whisper's position tables)."""
 
 
 def transformer_lens_available() -> str | None:
@@ -523,9 +524,13 @@ def whisper(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     # their output), the encoder (transformers' also holds the position table as a parameter) and the decoder
     # (its output is the logits, transformers' decoder's the normed hidden states).
     unpaired = ("encoder", "decoder", *(s for s in sites if s.endswith(".mlp")))
+    # A weight plant in the encoder or the decoder changes the position table each holds itself (the encoder's
+    # sinusoids, the decoder's learned positions): transformers holds it in an embed_positions module, which is the
+    # answer, as is the site's own (the module whose output the table's error reaches first, paired or not)
+    tables = {side: (f"model.{side}.embed_positions", *sites[side]) for side in ("encoder", "decoder")}
     return PairCase(
         "whisper/openai-whisper", reference, candidate, cast(torch.float32), lambda m: m(mel.to(dtype), ids), sites,
-        cast, unpaired,
+        cast, unpaired, weight_sites=tables,
     )  # fmt: skip
 
 

@@ -9,7 +9,17 @@ import torch
 
 from paritylab.run.parity import compare_and_replay, match_weight_grids, trace_model
 from paritylab.tracing.tracefile import Trace
-from tests.pairs import PAIRS, planted, reference_side, seeded, transformer_lens_available, unavailable
+from tests.pairs import (
+    PAIRS,
+    WEIGHT_KINDS,
+    planted,
+    planted_weight,
+    reference_side,
+    seeded,
+    transformer_lens_available,
+    unavailable,
+    weight_target,
+)
 
 _MISSING = transformer_lens_available()
 PAIR_NAMES = [
@@ -492,3 +502,55 @@ def test_a_frozen_alignment_keeps_what_stands_for_a_run_pairs_input(tmp_path):
     assert pairs(pinned) == pairs(fresh)
     assert fresh.first_divergence.path == "model.decoder.layers.1.fc2"
     assert pinned.first_divergence.path == fresh.first_divergence.path
+
+
+WEIGHT_PLANTS = [  # (site, kind): a slice of ``benchmarks/pairs.py --weights`` named exactly in fp32 and bf16
+    ("embed", "w-scale"),
+    ("pos_embed", "w-transpose"),
+    ("blocks.0.attn", "w-halves"),
+    ("blocks.1.mlp", "w-rows"),
+    ("ln_final", "w-bias"),
+]
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bugs_planted_in_weights_are_named_at_their_counterpart(dtype, tmp_path):
+    """A conversion bug in one weight (GPT-2 against TransformerLens): a scaled embedding, a transposed position
+    table, the query heads' halves swapped, a block of the MLP's rows overwritten, a norm's scale ×1.01. Each is
+    named at the module holding the weight's counterpart, under bf16's rounding too (the full table, misses
+    included: ``benchmarks/pairs.py --weights``)."""
+    case = PAIRS["gpt2"](dtype)
+    reference_trace, floors = reference_side(case, tmp_path)
+    named = {}
+    for number, (site, kind) in enumerate(WEIGHT_PLANTS):
+        with planted_weight(case.candidate, site, kind, probe=case.candidate_call) as effect:
+            report = _judge(case, tmp_path, f"{number}", reference_trace, floors)
+        assert effect["changed"], (site, kind)
+        named[site, kind] = (report.first_divergence.path if report.first_divergence else None, report.verdict)
+    assert named == {(site, kind): (case.sites[site][0], "fail") for site, kind in WEIGHT_PLANTS}
+
+
+def test_a_weight_plant_restores_the_model_bit_for_bit():
+    """Every kind at every site of a pair that holds something it changes (torch's own modules: no third-party
+    package), in bf16, and after a body that raises: the state dict is the one before, value for value."""
+    case = PAIRS["clip-text"](torch.bfloat16)
+    before = {name: value.clone() for name, value in case.candidate.state_dict().items()}
+    planted_at = []
+    for site in case.sites:
+        for kind in WEIGHT_KINDS:
+            tensor = weight_target(case.candidate, site, kind)
+            if tensor is None:
+                continue
+            with pytest.raises(RuntimeError, match="the body fails"), planted_weight(case.candidate, site, kind) as e:
+                assert e["changed"] and e["tensor"] == tensor
+                assert not torch.equal(case.candidate.get_parameter(tensor), before[tensor])
+                raise RuntimeError("the body fails")
+            planted_at.append((site, kind))
+    after = case.candidate.state_dict()
+    assert after.keys() == before.keys()
+    assert [name for name in before if not torch.equal(after[name], before[name])] == []
+    # clip-text holds no square weight a site calls (out_proj is read by its parent) and keeps no floating buffer
+    assert {kind for _, kind in planted_at} == set(WEIGHT_KINDS) - {"w-transpose", "table"}
+    with pytest.raises(ValueError, match="skip it"), planted_weight(case.candidate, "transformer.layers.0", "table"):
+        pass
