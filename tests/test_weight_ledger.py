@@ -520,3 +520,41 @@ def test_halves_swapped_before_an_activation_with_no_counterpart_are_named_at_th
     report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))).report
     assert report.first_divergence is not None and report.first_divergence.path == "mlp.fc1", headline(report)
     assert "its output agrees only with its features in another order, and mlp.fc2 is handed them" in headline(report)
+
+
+class Norms(nn.Module):
+    """Three pre-norm residual blocks and a final norm, all untrained: every norm holds the same ones."""
+
+    def __init__(self, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.names = names
+        for index in range(3):
+            setattr(self, f"{names[0]}{index}", nn.Linear(16, 16))
+            setattr(self, f"{names[1]}{index}", nn.LayerNorm(16))
+        setattr(self, names[2], nn.LayerNorm(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index in range(3):
+            x = x + getattr(self, f"{self.names[0]}{index}")(getattr(self, f"{self.names[1]}{index}")(x))
+        return self.head(getattr(self, self.names[2])(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("site", "origin"), [("pre1", "ln1"), ("ln_final", "norm")])
+def test_a_norm_among_identical_copies_is_paired_in_order_and_named(tmp_path, site, origin, dtype):
+    torch.manual_seed(0)
+    reference, candidate = Norms(("lin", "ln", "norm")), Norms(("proj", "pre", "ln_final"))
+    renamed = {}
+    for key, value in reference.state_dict().items():
+        key = key.replace("lin", "proj").replace("norm.", "ln_final.")
+        renamed["pre" + key[2:] if key.startswith("ln") and not key.startswith("ln_final") else key] = value
+    candidate.load_state_dict(renamed)
+    with torch.no_grad():
+        getattr(candidate, site).weight.mul_(1.01)
+    report = run(reference, candidate, tmp_path, dtype).report
+    assert report.first_divergence is not None and report.first_divergence.path == origin, headline(report)
+    (finding,) = report.alignment.weights.differing
+    assert finding.candidate == f"{site}.weight"
+    assert "(the reference holds these values 4 times: in ln0, ln1, ln2, norm)" in finding.detail
+    assert report.alignment.weights.module_pairs == {}  # which copy, the order told

@@ -257,6 +257,7 @@ def _pair_in_order(state: _Pairing) -> None:
         state.skipped_cand(),
         state.ref_prints,
         state.cand_prints,
+        state.weights.near_modules,
     )
 
 

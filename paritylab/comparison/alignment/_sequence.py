@@ -6,9 +6,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, _Features
+from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, WRAPPER_SCORE, _Features
 from paritylab.comparison.alignment._pairs import Pair
 from paritylab.tracing.structure import ModulePrint, inner_digests
 from paritylab.tracing.tracefile import CallRecord
@@ -48,7 +49,11 @@ def _align_segments(
     skip_cand: set[int],
     ref_prints: dict[str, ModulePrint],
     cand_prints: dict[str, ModulePrint],
+    near: Mapping[str, set[str]] | None = None,
 ) -> dict[int, Pair]:
+    """Each segment between anchors aligned in order. ``near`` (candidate module -> reference modules, from the weight
+    ledger): a candidate module holding a near copy of a reference module's weights pairs with it on that evidence
+    where names alone would not (``fc_mid`` against ``2``, a final norm against one of several untrained ones)."""
     bounds = [(-1, -1), *anchors, (len(ref_calls), len(cand_calls))]
     found: dict[int, Pair] = {}
     features: dict[tuple[int, int], _Features] = {}
@@ -65,10 +70,21 @@ def _align_segments(
     for (r0, c0), (r1, c1) in itertools.pairwise(bounds):
         rows = [i for i in range(r0 + 1, r1) if i not in skip_ref]
         cols = [j for j in range(c0 + 1, c1) if j not in skip_cand]
-        for i, j, score in _dp(rows, cols, lambda i, j: feature(0, i).similarity(feature(1, j))):
+
+        def similarity(i: int, j: int) -> float:
+            score = feature(0, i).similarity(feature(1, j))
+            if score == 0.0 and near and ref_calls[i].path in near.get(cand_calls[j].path, ()):
+                ours, theirs = feature(0, i), feature(1, j)
+                if ours.shape is not None and ours.shape == theirs.shape:
+                    return WRAPPER_SCORE  # a near copy of its weights: the pair its bug must not cost it
+            return score
+
+        for i, j, score in _dp(rows, cols, similarity):
             ours, theirs = feature(0, i), feature(1, j)
             same = ours.weights is not None and (ours.weights == theirs.weights or ours.cut(theirs))
             source = "structure" if same else "auto"  # the same weights, or a table cut to a run of rows
+            if not same and near and ref_calls[i].path in near.get(cand_calls[j].path, ()):
+                source = "weights"
             found[i] = Pair(ref_calls[i].key, cand_calls[j].key, source, round(score, 4))
     return found
 

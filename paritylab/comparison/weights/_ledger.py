@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from paritylab.comparison.weights._blocks import (
-    _by_blocks,
-    _by_tiles,
-)
+from paritylab.comparison.weights._blocks import _by_blocks, _by_tiles
 from paritylab.comparison.weights._describe import _describe
 from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
-from paritylab.comparison.weights._near import (
-    _nearest,
-)
+from paritylab.comparison.weights._near import _nearest
 from paritylab.comparison.weights._records import (
+    MAX_LISTED,
     Held,
     WeightFinding,
     WeightLedger,
@@ -24,6 +20,7 @@ from paritylab.comparison.weights._records import (
     held,
 )
 from paritylab.tracing.structure import ModulePrint
+from paritylab.tracing.tracefile import display_path
 
 
 def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, ModulePrint]) -> WeightLedger:
@@ -48,7 +45,8 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
         ]
         if same:
             ledger.matched += 1
-            claimed.update(id(twin) for twin in same)
+            free = [twin for twin in same if id(twin) not in claimed]  # each reference copy holds one candidate's
+            claimed.add(id(free[0] if free else same[0]))
             layout = _layout(same[0], item) if len(same) == 1 else None
             if layout:
                 ledger.findings.append(_finding(same[0], item, "layout", layout))
@@ -73,7 +71,13 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
                 ledger.part_pairs[finding.reference_module] = (finding.candidate_module, start, stop)
             continue
         twin, _, flipped = match
+        copies = sorted({other.module for other in ours if other.print.digest == twin.print.digest})
+        ledger.near_modules.setdefault(item.module, set()).update(copies or {twin.module})
         detail, rel_l2 = _describe(twin, item, flipped)
+        if len(copies) > 1:  # which copy, the order of the calls tells (the alignment), not the values
+            listed = ", ".join(display_path(path) for path in copies[:MAX_LISTED])
+            more = f" and {len(copies) - MAX_LISTED} more" if len(copies) > MAX_LISTED else ""
+            detail += f" (the reference holds these values {len(copies)} times: in {listed}{more})"
         ledger.findings.append(_finding(twin, item, "differs", detail, rel_l2))
     ledger.module_pairs = _module_pairs(ledger, reference, candidate)
     return ledger
@@ -93,8 +97,8 @@ def _module_pairs(
     pairs: dict[str, str] = {}
     taken: set[str] = set()
     for cand_path, ref_paths in near.items():
-        if len(ref_paths) != 1:
-            continue
+        if len(ref_paths) != 1 or len(ledger.near_modules.get(cand_path, ())) > 1:
+            continue  # near identical copies in several modules (untrained norms): which one, the order tells
         ref_path = next(iter(ref_paths))
         ours, theirs = reference.get(ref_path), candidate.get(cand_path)
         if ours is None or theirs is None or ref_path in taken or not _one_to_one(ours, theirs, ledger):

@@ -86,6 +86,9 @@ class WeightLedger:
     part_pairs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     """Reference module -> (candidate module, first, last + 1 output feature): a fused candidate weight one of whose
     row blocks is the reference module's weight with a defect (the k rows of a ``[q; k; v]`` projection)."""
+    near_modules: dict[str, set[str]] = field(default_factory=dict)
+    """Candidate module -> the reference modules holding the tensor (or one of the identical copies of the tensor) a
+    tensor of it is a near copy of: evidence for the ordered pass where copies make the module pair ambiguous."""
     module_pairs: dict[str, str] = field(default_factory=dict)
     """Reference module -> candidate module, for modules whose own tensors match one to one with at least one
     differing: the alignment pairs them whatever their names and classes."""
@@ -100,7 +103,9 @@ class WeightLedger:
         return [
             finding
             for finding in self.findings
-            if finding.reference_module in wanted or finding.candidate_module in wanted
+            if finding.reference_module in wanted
+            or finding.candidate_module in wanted
+            or (finding.kind == "differs" and wanted & self.near_modules.get(finding.candidate_module, set()))
         ]
 
     def to_json(self) -> dict[str, Any]:
