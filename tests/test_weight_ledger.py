@@ -558,3 +558,40 @@ def test_a_norm_among_identical_copies_is_paired_in_order_and_named(tmp_path, si
     assert finding.candidate == f"{site}.weight"
     assert "(the reference holds these values 4 times: in ln0, ln1, ln2, norm)" in finding.detail
     assert report.alignment.weights.module_pairs == {}  # which copy, the order told
+
+
+class ReturningMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(16, 64), nn.Linear(64, 32), nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(torch.relu(self.fc1(x))))
+
+
+class ReturningBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.head = ReturningMLP(), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_halves_swapped_in_the_projection_a_block_returns_are_named_at_the_projection(tmp_path, dtype):
+    """The MLP returns its last projection's output (through a dropout): the MLP diverges, the projection agrees
+    only reordered, and the projection is named."""
+    torch.manual_seed(0)
+    reference, candidate = ReturningBlock(), ReturningBlock()
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        for tensor in (candidate.mlp.fc2.weight, candidate.mlp.fc2.bias):
+            tensor.copy_(torch.cat([tensor[16:], tensor[:16]]))
+    candidate = candidate.to(dtype).eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    report = check(
+        reference.eval(), candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))
+    ).report
+    assert report.first_divergence is not None and report.first_divergence.path == "mlp.fc2", headline(report)
+    assert "its output agrees only with its features in another order" in headline(report)

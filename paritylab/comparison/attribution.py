@@ -30,6 +30,7 @@ from paritylab.comparison.report import (
     producer_row,
     received_calls,
     relative_error,
+    reordered_maker,
     reordered_rows,
     slot_value,
     unmatched_feeding,
@@ -507,7 +508,10 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
             reason = chosen.note if chosen.local.get(CHANGED_AFTER) else f"{reason} (lifted replay)"
     if chosen is None:
         return
-    maker = unmatched_maker(chosen, report.rows, reference, replay, report.alignment)
+    turned = reordered_maker(chosen, report.rows, reference, reordered_rows(report.alignment, reference))
+    if turned is not None:  # the culprit returns what a reordered module made, in that order
+        reason, chosen = turned.note, turned
+    maker = unmatched_maker(chosen, report.rows, reference, replay, report.alignment) if turned is None else None
     if maker is not None:  # the culprit only hands on what a module with no counterpart made inside it
         maker.diverged, maker.verdict, chosen.cause = True, "fail", "contains-origin"
         maker.note = maker.note or f"it made {chosen.path or '<root>'}'s output, whose own error diverges"

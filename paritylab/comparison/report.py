@@ -136,7 +136,11 @@ def compare_traces(
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
-        maker = unmatched_maker(first, rows, reference, candidate, alignment)
+        reordered = reordered_maker(first, rows, reference, reordered_rows(alignment, reference))
+        if reordered is not None:  # the origin returns what a reordered module made, in that order
+            origins = [reordered, *(row for row in origins if row is not first), first]
+            first, reason = reordered, reordered.note
+        maker = unmatched_maker(first, rows, reference, candidate, alignment) if reordered is None else None
         if maker is not None:  # the origin only hands on what a module with no counterpart made inside it
             maker.diverged, maker.cause, first.cause = True, "origin", "contains-origin"
             origins = [maker, *(row for row in origins if row is not first), first]
@@ -570,6 +574,34 @@ def reordered_rows(alignment: Alignment, reference: Trace) -> set[int]:
         for pair in alignment.pairs
         if pair.candidate_part is not None and pair.candidate_part.whole
     }
+
+
+def reordered_maker(row: Row, rows: list[Row], reference: Trace, reordered: set[int]) -> Row | None:
+    """The module inside ``row`` whose output ``row`` returns as its own (data flow, through calls that return their
+    input), when that module's output agrees only with its features reordered: ``row`` diverges because it hands
+    them on in that order (the last projection of an MLP with its rows' halves swapped). Marks it the origin."""
+    if not reordered or row.reference.slot is None:
+        return None
+    by_index = {other.index: other for other in rows}
+    node = _node_at(reference.calls[row.index], row.reference.slot)
+    made = node.get("from") if node is not None else None
+    seen: set[int] = set()
+    while isinstance(made, int) and made != row.index and made in by_index and made not in seen:
+        seen.add(made)
+        maker = by_index[made]
+        if made in reordered:
+            if maker.diverged and REORDERED not in maker.note:
+                return None  # its own values differ: it is judged on them
+            maker.diverged, maker.verdict, maker.cause, row.cause = True, "fail", "origin", "contains-origin"
+            finding = f"{REORDERED}, and {row.path or '<root>'} returns them in that order: {REORDERED_WHY}"
+            if REORDERED not in maker.note:
+                maker.note = f"{maker.note}; {finding}" if maker.note else finding
+            return maker
+        if maker.status != "identity":
+            return None
+        handed = _primary_input(reference.calls[made])  # a call returning its input: what made that input
+        made = handed.get("from") if handed is not None else None
+    return None
 
 
 REORDERED = "its output agrees only with its features in another order"
