@@ -16,7 +16,7 @@ from paritylab.comparison.alignment._runs import _by_runs
 from paritylab.comparison.alignment._sequence import _align_segments, _monotone_chain
 from paritylab.comparison.alignment._shapes import _primary_input
 from paritylab.comparison.alignment._weight_reads import _read_prints
-from paritylab.comparison.weights import WeightLedger, weight_ledger
+from paritylab.comparison.weights import WeightLedger, as_twins, weight_ledger
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord, Trace
 
@@ -93,6 +93,7 @@ class _Pairing:
         cand_position = {call.key: position for position, call in enumerate(cand_calls)}
         ref_prints, cand_prints = _read_prints(reference, candidate)
         ledger = weight_ledger(ref_prints, cand_prints) if ref_prints and cand_prints else WeightLedger()
+        cand_prints = as_twins(cand_prints, ref_prints, ledger)  # near copies count as their twins for pairing
         return cls(
             ref_calls,
             cand_calls,

@@ -14,7 +14,7 @@ divergence starts).
 
 from __future__ import annotations
 
-from paritylab.comparison.weights._ledger import weight_ledger
+from paritylab.comparison.weights._ledger import as_twins, weight_ledger
 from paritylab.comparison.weights._records import (
     NEAR,
     NEAR_NAMESAKE,
@@ -34,6 +34,7 @@ __all__ = [
     "Held",
     "WeightFinding",
     "WeightLedger",
+    "as_twins",
     "held",
     "weight_ledger",
 ]

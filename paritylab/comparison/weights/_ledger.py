@@ -3,6 +3,7 @@ matches pair."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from paritylab.comparison.weights._blocks import _by_blocks, _by_tiles
@@ -19,7 +20,7 @@ from paritylab.comparison.weights._records import (
     _value_key,
     held,
 )
-from paritylab.tracing.structure import ModulePrint
+from paritylab.tracing.structure import MASK, ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import display_path
 
 
@@ -129,3 +130,48 @@ def _one_to_one(ours: ModulePrint, theirs: ModulePrint, ledger: WeightLedger) ->
         else:
             return False
     return covered == set(ref_values)
+
+
+def as_twins(
+    candidate: Mapping[str, ModulePrint], reference: Mapping[str, ModulePrint], ledger: WeightLedger
+) -> dict[str, ModulePrint]:
+    """The candidate's fingerprints with each tensor the ledger found a near copy of a reference tensor fingerprinted
+    as that tensor (every module's fingerprint above it moved alike): the alignment's stages then pair by weights as
+    if the defect were not there (a module holding the weights of a run of reference modules, fused parts, untrained
+    copies in call order), and the comparison finds the defect where it is."""
+    twins: dict[str, ParamPrint] = {}
+    for item in reference.values():
+        for param in (*item.params, *item.buffers):
+            twins[_named(item.path, param)] = param
+    moved: list[tuple[str, ParamPrint, ParamPrint]] = []  # (candidate module, its tensor, the twin's print)
+    replaced: dict[str, dict[str, ParamPrint]] = {}
+    for finding in ledger.differing:
+        twin = twins.get(finding.reference)
+        module = candidate.get(finding.candidate_module)
+        if twin is None or module is None:
+            continue  # a block of a fused tensor: the block stages pair it
+        name = finding.candidate[len(module.path) + 1 :] if module.path else finding.candidate
+        own = next((param for param in module.params if param.name == name), None)
+        if own is None or (own.shape != twin.shape and own.shape != twin.shape[::-1]):
+            continue  # a buffer (no part of a fingerprint), or another shape
+        replaced.setdefault(module.path, {})[name] = dataclasses.replace(twin, name=name)
+        moved.append((module.path, own, twin))
+    if not replaced:
+        return dict(candidate)
+    shift: dict[str, int] = {}
+    for module_path, own, twin in moved:
+        delta = (twin.digest - own.digest) & MASK
+        for path in candidate:
+            if _inside(module_path, path):
+                shift[path] = (shift.get(path, 0) + delta) & MASK
+    result = {}
+    for path, item in candidate.items():
+        params = tuple(replaced.get(path, {}).get(param.name, param) for param in item.params)
+        digest = (item.digest + shift.get(path, 0)) & MASK if item.numel else item.digest
+        result[path] = dataclasses.replace(item, params=params, digest=digest)
+    return result
+
+
+def _inside(module: str, ancestor: str) -> bool:
+    """``module`` is ``ancestor`` or lies below it (``""`` is the root)."""
+    return not ancestor or module == ancestor or module.startswith(f"{ancestor}.")
