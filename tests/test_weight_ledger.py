@@ -595,3 +595,43 @@ def test_halves_swapped_in_the_projection_a_block_returns_are_named_at_the_proje
     ).report
     assert report.first_divergence is not None and report.first_divergence.path == "mlp.fc2", headline(report)
     assert "its output agrees only with its features in another order" in headline(report)
+
+
+class Heads(nn.Module):
+    """An attention whose own code splits its query, key and value into heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(t.shape[0], t.shape[1], 4, 8).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        mixed = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+        return self.o(mixed.transpose(1, 2).reshape(x.shape))
+
+
+class HeadsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = Heads(), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_query_rows_swapped_are_named_at_the_query_not_at_the_attention_reading_them(tmp_path, dtype):
+    torch.manual_seed(0)
+    reference, candidate = HeadsBlock(), HeadsBlock()
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        for tensor in (candidate.attn.q.weight, candidate.attn.q.bias):
+            tensor.copy_(torch.cat([tensor[16:], tensor[:16]]))
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    candidate = candidate.to(dtype)
+    report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))).report
+    assert report.first_divergence is not None and report.first_divergence.path == "attn.q", headline(report)
+    assert "its output agrees only with its features in another order" in headline(report)

@@ -30,8 +30,10 @@ from paritylab.comparison.report import (
     producer_row,
     received_calls,
     relative_error,
+    reordered_child,
     reordered_maker,
     reordered_rows,
+    reordered_sibling,
     slot_value,
     unmatched_feeding,
     unmatched_maker,
@@ -129,9 +131,14 @@ def attach_replay(
             if why is not None:  # its code, not the precision: the same weights in float32 disagree
                 diverged, reason, lifted_found = True, why, True
             elif parent is not None and lifted.gave_another_input(lifted_row, lifted_rows.get(parent.reference.key)):
-                note = f"its own code between its children gives {row.path or '<root>'} a value the reference does not"
-                note += f", with the same {lifted.dtype} weights computed in float32 (lifted replay)"
-                fed_wrong.setdefault(parent.index, (parent, note))
+                sibling = reordered_sibling(row, report.rows, reordered)
+                if sibling is not None:  # what the parent's code gave it came from a reordered child, in its order
+                    note = f"{REORDERED}, and {parent.path or '<root>'}'s own code hands {row.path} a value that "
+                    fed_wrong.setdefault(sibling.index, (sibling, note + f"diverges: {REORDERED_WHY}"))
+                else:
+                    note = f"its own code between its children gives {row.path or '<root>'} a value the reference "
+                    note += f"does not, with the same {lifted.dtype} weights computed in float32 (lifted replay)"
+                    fed_wrong.setdefault(parent.index, (parent, note))
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
         if coded:
             row.local[CODE_DIFFERENCE] = 1.0
@@ -322,6 +329,15 @@ def _unreplaced_source(
             return upstream, f"{REORDERED}, and {where} is handed them in that order: {REORDERED_WHY}"
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
+    sibling = reordered_sibling(row, list(by_index.values()), reordered)
+    if sibling is not None:  # the parent's code read a reordered child's output in its own order
+        parent_row = by_index.get(row.parent) if row.parent is not None else None
+        parent_path = parent_row.path if parent_row is not None else ""
+        return (
+            sibling,
+            f"{REORDERED}, and {parent_path or '<root>'}'s own code hands {where} a value that diverges: "
+            + (REORDERED_WHY),
+        )
     source = unmatched_feeding(row, by_index, reference, received)
     if source is not None:
         parent_row = by_index.get(row.parent) if row.parent is not None else None
@@ -508,8 +524,11 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
             reason = chosen.note if chosen.local.get(CHANGED_AFTER) else f"{reason} (lifted replay)"
     if chosen is None:
         return
-    turned = reordered_maker(chosen, report.rows, reference, reordered_rows(report.alignment, reference))
-    if turned is not None:  # the culprit returns what a reordered module made, in that order
+    reordered = reordered_rows(report.alignment, reference)
+    turned = reordered_maker(chosen, report.rows, reference, reordered) or reordered_child(
+        chosen, report.rows, reordered
+    )
+    if turned is not None:  # the culprit returns, or its code reads, what a reordered module made, in that order
         reason, chosen = turned.note, turned
     maker = unmatched_maker(chosen, report.rows, reference, replay, report.alignment) if turned is None else None
     if maker is not None:  # the culprit only hands on what a module with no counterpart made inside it

@@ -529,16 +529,21 @@ def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set
             if producer not in starts:
                 starts.append(producer)
     for row in rows:  # the first child given a diverging value by its parent's own code
-        if not (row.diverged and row.input_known and row.input_diverged) or any(s.index < row.index for s in starts):
+        if not (row.diverged and row.input_known and row.input_diverged):
             continue
-        sibling = _reordered_sibling(row, rows, reordered)
-        if sibling is not None:  # its output, read in its own order by the parent's code, reached ``row``
+        around = set(ancestors(row, by_index))
+        sibling = reordered_sibling(row, rows, reordered)
+        if sibling is not None and not any(s.index < sibling.index and s.index not in around for s in starts):
+            # its output, read in its own order by the parent's code, reached ``row``: the parent was no start
+            starts[:] = [s for s in starts if s.index not in around]
             sibling.diverged, sibling.verdict = True, "fail"
             parent = by_index[row.parent].path or "<root>"  # type: ignore[index]
             finding = f"{REORDERED}, and {parent}'s own code hands {row.path} a value that diverges: {REORDERED_WHY}"
             sibling.note = f"{sibling.note}; {finding}" if sibling.note else finding
             starts.append(sibling)
             break
+        if any(s.index < row.index for s in starts):
+            continue
         source = unmatched_feeding(row, by_index, reference, received_calls(reference))
         if source is not None:
             source.diverged = True
@@ -553,7 +558,7 @@ def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set
     if not starts:
         starts = [row for row in rows if row.diverged and not row.input_known]
     has_start_below = {index for row in starts for index in ancestors(row, by_index)}
-    origins = [row for row in starts if row.index not in has_start_below]
+    origins = [reordered_child(row, rows, reordered) or row for row in starts if row.index not in has_start_below]
     for row in rows:
         if not row.diverged:
             continue
@@ -608,13 +613,31 @@ REORDERED = "its output agrees only with its features in another order"
 REORDERED_WHY = "its weight's rows are the reference's, reordered"
 
 
-def _reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
+def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
+    """The one module inside an origin whose output agrees only reordered, when every module inside it agrees: the
+    origin's own code reads that output in its own order (an attention splitting a query whose rows' halves were
+    swapped into heads, a layer adding an MLP's reordered output to its residual). Marks it the origin."""
+    if not reordered:
+        return None
+    inside = [other for other in rows if other.parent == row.index]
+    turned = [other for other in inside if other.index in reordered and (not other.diverged or REORDERED in other.note)]
+    if len(turned) != 1 or any(other.verdict == "fail" for other in inside if other is not turned[0]):
+        return None
+    child = turned[0]
+    child.diverged, child.verdict = True, "fail"
+    if REORDERED not in child.note:
+        finding = f"{REORDERED}, and {row.path or '<root>'}'s own code reads them in that order: {REORDERED_WHY}"
+        child.note = f"{child.note}; {finding}" if child.note else finding
+    return child
+
+
+def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
     """The last module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when
     every compared row between them agrees: what the parent's code made of that output is what ``row`` was given."""
     if row.parent is None or not reordered:
         return None
     for other in reversed([other for other in rows if row.parent == other.parent and other.index < row.index]):
-        if other.index in reordered and not other.diverged:
+        if other.index in reordered and (not other.diverged or REORDERED in other.note):
             return other
         if other.diverged:
             return None
