@@ -621,7 +621,7 @@ def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[i
         return None
     inside = [other for other in rows if other.parent == row.index]
     turned = [other for other in inside if other.index in reordered and (not other.diverged or REORDERED in other.note)]
-    if len(turned) != 1 or any(other.verdict == "fail" for other in inside if other is not turned[0]):
+    if len(turned) != 1 or any(_unsure(other) for other in inside if other is not turned[0]):
         return None
     child = turned[0]
     child.diverged, child.verdict = True, "fail"
@@ -632,16 +632,22 @@ def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[i
 
 
 def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
-    """The last module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when
-    every compared row between them agrees: what the parent's code made of that output is what ``row`` was given."""
+    """The one module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when every
+    other module before it there agrees: what the parent's code made of that output is what ``row`` was given. None
+    where two are reordered (q and k for rotary on interleaved pairs: a layout the code reads so) or another differs."""
     if row.parent is None or not reordered:
         return None
-    for other in reversed([other for other in rows if row.parent == other.parent and other.index < row.index]):
-        if other.index in reordered and (not other.diverged or REORDERED in other.note):
-            return other
-        if other.diverged:
-            return None
-    return None
+    before = [other for other in rows if row.parent == other.parent and other.index < row.index]
+    turned = [other for other in before if other.index in reordered and (not other.diverged or REORDERED in other.note)]
+    others = [other for other in before if other is not (turned[0] if turned else None)]
+    if len(turned) != 1 or any(_unsure(other) for other in others):
+        return None  # several reordered (a layout the code reads so), another sibling differs or is unchecked
+    return turned[0]
+
+
+def _unsure(row: Row) -> bool:
+    """A row that differs, or that nothing checked (no counterpart): it may be what made a value diverge."""
+    return row.diverged or row.verdict == "fail" or row.status == "unmatched"
 
 
 def _own_weights(row: Row) -> bool:
