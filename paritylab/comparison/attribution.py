@@ -174,7 +174,8 @@ def attach_replay(
             row.verdict = "fail"
             row.note = "relative error beyond the divergence margin (hidden under atol); its own error confirms it"
     report.replay_origins = innermost(own_errors, report.rows)
-    _name_culprit(report, reference, replay, low_precision=local_floor is not None and not floor_loosens_only)
+    low = local_floor is not None and not floor_loosens_only
+    _name_culprit(report, reference, replay, low_precision=low, reordered=reordered)
     named = report.first_divergence
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
@@ -470,7 +471,9 @@ def beyond_floor(
     return None
 
 
-def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision: bool) -> None:
+def _name_culprit(
+    report: Report, reference: Trace, replay: Trace, low_precision: bool, reordered: set[int] | None = None
+) -> None:
     """One culprit from the free-run origins and the replay's own errors (both sides of the evidence).
 
     - a free-run origin with no counterpart (an unmatched stretch) stands: replay cannot see inside it;
@@ -524,7 +527,7 @@ def _name_culprit(report: Report, reference: Trace, replay: Trace, low_precision
             reason = chosen.note if chosen.local.get(CHANGED_AFTER) else f"{reason} (lifted replay)"
     if chosen is None:
         return
-    reordered = reordered_rows(report.alignment, reference)
+    reordered = reordered if reordered is not None else reordered_rows(report.alignment, reference)
     turned = reordered_maker(chosen, report.rows, reference, reordered) or reordered_child(
         chosen, report.rows, reordered
     )

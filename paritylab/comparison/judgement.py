@@ -17,6 +17,7 @@ from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.metrics import Tolerance
 from paritylab.comparison.outputs import NOT_COMPARED, OutputCheck
 from paritylab.comparison.weights import WeightFinding
+from paritylab.tracing.structure import module_ancestors
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
@@ -307,7 +308,9 @@ class Report:
         for finding in self.alignment.weights.differing:
             if finding.reference_module in by_path:
                 continue  # a module that runs: its own row judges it
-            reader = next((by_path[path] for path in _enclosing(finding.reference_module) if path in by_path), None)
+            reader = next(
+                (by_path[path] for path in module_ancestors(finding.reference_module) if path in by_path), None
+            )
             if reader is None:
                 continue
             around = set(ancestors(first, by_index))
@@ -412,13 +415,6 @@ def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
     by_index = {row.index: row for row in everything}
     above = {index for row in rows for index in ancestors(row, by_index) if index in chosen}
     return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
-
-
-def _enclosing(path: str) -> Iterator[str]:
-    """The proper ancestors of a module path, nearest first (the root ``""`` last)."""
-    while path:
-        path = path.rsplit(".", 1)[0] if "." in path else ""
-        yield path
 
 
 def _primary_input(call: CallRecord) -> Node | None:

@@ -395,12 +395,18 @@ def widened(call: Call, dtype: torch.dtype) -> Call:
 def cast_call(call: Call, dtype: torch.dtype, rounded_to: torch.dtype | None = None) -> Call:
     """``call``, with every floating-point tensor it passes to the model's forward given in ``dtype`` (first
     rounded to ``rounded_to``): the call a copy of the model converted to ``dtype`` needs."""
+    return mapped_call(call, lambda value: _cast(value, dtype, rounded_to))
+
+
+def mapped_call(call: Call, convert: Callable[[Any], Any]) -> Call:
+    """``call``, with the arguments it passes to the model's forward replaced by ``convert(arguments)`` (a hook run
+    before any other, the tracer's included)."""
 
     def run(model: nn.Module) -> Any:
-        def cast(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            return _cast(args, dtype, rounded_to), _cast(kwargs, dtype, rounded_to)
+        def converted(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return convert(args), convert(kwargs)
 
-        handle = model.register_forward_pre_hook(cast, with_kwargs=True, prepend=True)  # before the tracer's
+        handle = model.register_forward_pre_hook(converted, with_kwargs=True, prepend=True)  # before the tracer's
         try:
             return call(model)
         finally:

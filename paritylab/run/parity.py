@@ -27,7 +27,7 @@ from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
-from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift
+from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift, mapped_call
 from paritylab.run.resident import available_memory, converted_bytes, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import cast_in_place, widened_in_place
@@ -529,22 +529,7 @@ def check(
 def private_call(call: Call) -> Call:
     """``call``, with every tensor it hands the model's forward copied first: a forward that changes its input in
     place (a preprocessing step) changes the copy, never the caller's tensor, however often the model runs again."""
-
-    def run(model: nn.Module) -> Any:
-        def copied(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            return map_tensors(args, _clone), map_tensors(kwargs, _clone)
-
-        handle = model.register_forward_pre_hook(copied, with_kwargs=True, prepend=True)
-        try:
-            return call(model)
-        finally:
-            handle.remove()
-
-    return run
-
-
-def _clone(tensor: torch.Tensor, _: str) -> torch.Tensor:
-    return tensor.detach().clone()
+    return mapped_call(call, lambda value: map_tensors(value, lambda tensor, _: tensor.detach().clone()))
 
 
 def drill_into_origin(

@@ -16,6 +16,7 @@ import binascii
 import dataclasses
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,6 +313,13 @@ def prints_from_meta(meta: dict[str, Any]) -> dict[str, ModulePrint]:
             return {}  # a damaged fingerprint is no evidence; alignment falls back to order and names
         prints[item.path] = item
     return prints
+
+
+def module_ancestors(path: str) -> Iterator[str]:
+    """The proper ancestors of a module path, nearest first (the root ``""`` last)."""
+    while path:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        yield path
 
 
 def restrict_to_called(prints: dict[str, ModulePrint], called: set[str]) -> dict[str, ModulePrint]:

@@ -4,9 +4,9 @@ called)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
-from paritylab.tracing.structure import MASK, ModulePrint, prints_from_meta, restrict_to_called
+from paritylab.tracing.structure import MASK, ModulePrint, module_ancestors, prints_from_meta, restrict_to_called
 from paritylab.tracing.tracefile import Trace
 
 
@@ -38,25 +38,18 @@ def _read_prints(reference: Trace, candidate: Trace) -> tuple[dict[str, ModulePr
     return result[0], result[1]
 
 
-def _ancestors(path: str) -> Iterable[str]:
-    """Proper ancestors of a module path, nearest first (the root ``""`` last)."""
-    while path:
-        path = path.rsplit(".", 1)[0] if "." in path else ""
-        yield path
-
-
 def _read_by_own_code(prints: Mapping[str, ModulePrint], called: set[str]) -> set[str]:
     """Never-called modules holding weights whose nearest called ancestor called no module holding weights."""
     running: set[str] = set()  # called modules below which a called module holding weights ran its own code
     for path in called:
         item = prints.get(path)
         if path and item is not None and item.numel:
-            running.update(_ancestors(path))
+            running.update(module_ancestors(path))
     read = set()
     for path, item in prints.items():
         if path in called or not item.params:
             continue
-        caller = next((a for a in _ancestors(path) if a in called), None)
+        caller = next((a for a in module_ancestors(path) if a in called), None)
         if caller is not None and caller not in running:
             read.add(path)
     return read
@@ -73,7 +66,7 @@ def _read_by_evidence(
             continue
         own = sum(param.digest for param in item.params) & MASK
         size = sum(math.prod(param.shape) for param in item.params)
-        for ancestor in _ancestors(path):
+        for ancestor in module_ancestors(path):
             held = prints.get(ancestor)
             if ancestor in called and held is not None and ((held.digest + own) & MASK, held.numel + size) in other:
                 read.add(path)

@@ -113,7 +113,10 @@ def _by_tiles(item: Held, ours: list[Held]) -> _Blocks | None:
             scored.append((float(numpy.linalg.norm(part - ref)) / scale, -size, other))
         scored.sort(key=lambda entry: entry[:2])
         if not scored or scored[0][0] >= NEAR:
-            return None if position == 0 or not exact else _tail(result, item, position, len(values))
+            if position == 0 or not exact:
+                return None
+            result.unmatched.append(f"{item.name} [{position}:{len(values)}]")  # the rest matches nothing
+            return result
         distance, _, other = scored[0]
         size = other.print.shape[0]
         taken.add(id(other))
@@ -129,11 +132,6 @@ def _by_tiles(item: Held, ours: list[Held]) -> _Blocks | None:
             exact += 1
         position += size
     return result if exact else None
-
-
-def _tail(result: _Blocks, item: Held, start: int, stop: int) -> _Blocks:
-    result.unmatched.append(f"{item.name} [{start}:{stop}]")
-    return result
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

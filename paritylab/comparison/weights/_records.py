@@ -37,7 +37,6 @@ class Held:
 
     module: str
     print: ParamPrint
-    buffer: bool = False
 
     @property
     def name(self) -> str:
@@ -120,8 +119,7 @@ def held(prints: Mapping[str, ModulePrint]) -> list[Held]:
     """Every parameter and floating-point buffer a side's modules hold directly (each once)."""
     found: list[Held] = []
     for path, item in prints.items():
-        found += [Held(path, param) for param in item.params]
-        found += [Held(path, buffer, buffer=True) for buffer in item.buffers]
+        found += [Held(path, tensor) for tensor in (*item.params, *item.buffers)]
     return found
 
 
