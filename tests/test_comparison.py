@@ -514,3 +514,13 @@ def test_the_replay_forces_every_repeat_of_a_paired_call_given_the_same_inputs(t
     for path in ("k", "v"):
         row = next(row for row in report.rows if row.path == path)
         assert row.local["local_rel_l2"] < 1e-6, (path, row.local)
+
+
+def test_cosine_of_a_candidate_whose_accumulated_square_cancels_below_zero_is_zero():
+    """Found by the fuzzed-trace test: ``cand2`` summed as ``ref2 + 2 r·d + d²`` came out at -1e-12 for a candidate of
+    zeros, and the square root of the product raised a math domain error instead of a verdict."""
+    from paritylab.comparison.metrics import _cosine
+
+    assert _cosine(1.0, 4.0, -1e-12) == 0.0
+    assert _cosine(0.0, -1e-15, -1e-15) == 1.0
+    assert _cosine(2.0, 4.0, 1.0) == 1.0

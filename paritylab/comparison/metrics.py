@@ -276,9 +276,11 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def _cosine(cross: float, ref2: float, cand2: float) -> float:
-    if ref2 == 0 and cand2 == 0:
+    """``cand2`` is accumulated as ``ref2 + 2 r·d + d²``: for a candidate of all but zeros the cancellation can leave it
+    a hair below zero, which is zero."""
+    if ref2 <= 0 and cand2 <= 0:
         return 1.0
-    if ref2 == 0 or cand2 == 0:
+    if ref2 <= 0 or cand2 <= 0:
         return 0.0
     return max(-1.0, min(1.0, cross / math.sqrt(ref2 * cand2)))
 
