@@ -407,7 +407,7 @@ def fused_pair(plant: str) -> tuple[Separate, Fused]:
     [
         ("block", "qkv.weight rows 32-63 differs from the reference's k.weight: scaled by 1.01"),
         ("bias", "qkv.bias [32:64] differs from the reference's k.bias: scaled by 1.01"),
-        ("element", "qkv.weight rows 35-35 differs from the reference's k.weight rows 3-3"),
+        ("element", "qkv.weight row 35 differs from the reference's k.weight row 3"),
         ("none", ""),
     ],
 )

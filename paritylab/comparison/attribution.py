@@ -25,6 +25,7 @@ from paritylab.comparison.report import (
     Report,
     Row,
     ancestors,
+    charge_quiet_weights,
     compare_traces,
     innermost,
     producer_row,
@@ -179,6 +180,7 @@ def attach_replay(
     named = report.first_divergence
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
+    charge_quiet_weights(report)
     return report
 
 

@@ -27,6 +27,39 @@ from torch import nn
 MASK = (1 << 64) - 1
 MAX_AXIS = 1 << 16
 """Row/column hashes are kept for 2-D parameters with at most this many rows and columns."""
+MAX_FIBERS = 1 << 18
+"""Fiber hashes along an axis of a parameter of three or more dimensions are kept where it has at most this many."""
+
+
+@dataclass(frozen=True)
+class Fibers:
+    """The fibers of a tensor of three or more dimensions along one axis (``t[i, :, k]`` for axis 1), in the C order
+    of the other axes: each one's hash (the sum of its element hashes, as a row's) and float32 value sum. A per-head
+    ``W_Q [heads, d_model, d_head]`` holds along axis 1 what a fused ``[d_model, 3 * d_model]`` projection holds in
+    its first columns; a fused MoE's ``[experts, 2 * inner, d_model]`` holds along axis 2 the rows of each expert's
+    gate and up projections."""
+
+    axis: int
+    hashes: bytes
+    sums: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "axis": self.axis,
+            "hashes": base64.b64encode(self.hashes).decode("ascii"),
+            "sums": base64.b64encode(self.sums).decode("ascii"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], shape: tuple[int, ...]) -> Fibers:
+        axis = int(data["axis"])
+        hashes, sums = (base64.b64decode(data[key], validate=True) for key in ("hashes", "sums"))
+        if not 0 <= axis < len(shape) or len(shape) < 3:
+            raise ValueError(f"fibers along axis {axis} do not fit shape {shape}")
+        count = math.prod(shape) // max(1, shape[axis])
+        if len(hashes) != 8 * count or len(sums) != 4 * count:
+            raise ValueError(f"fibers along axis {axis} do not fit shape {shape}")
+        return cls(axis, hashes, sums)
 
 
 @dataclass(frozen=True)
@@ -50,6 +83,8 @@ class ParamPrint:
     sums of each row, then of each column, of the values viewed as ``(shape[0], -1)`` (a 1-D tensor: its values),
     then the L2 norm. A weight scaled by 1.01 has every sum scaled by 1.01; another weight of the same shape has
     sums of another draw. Empty where either axis is longer than :data:`MAX_AXIS`."""
+    fibers: tuple[Fibers, ...] = ()
+    """For a tensor of three or more dimensions: its fibers along each axis that has at most :data:`MAX_FIBERS`."""
 
     @property
     def sums(self) -> tuple[numpy.ndarray, numpy.ndarray, float] | None:
@@ -77,6 +112,8 @@ class ParamPrint:
             data["cols"] = base64.b64encode(self.col_bytes).decode("ascii")
         if self.sketch:
             data["sketch"] = base64.b64encode(self.sketch).decode("ascii")
+        if self.fibers:
+            data["fibers"] = [fibers.to_json() for fibers in self.fibers]
         return data
 
     @classmethod
@@ -89,7 +126,8 @@ class ParamPrint:
         sketch = base64.b64decode(data.get("sketch", ""), validate=True)
         if sketch and len(sketch) != 4 * (_sketch_length(shape) or -1):
             raise ValueError(f"the value sketch of {data.get('name')!r} does not fit its shape {shape}")
-        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted, sketch)
+        fibers = tuple(Fibers.from_json(entry, shape) for entry in data.get("fibers", ()))
+        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted, sketch, fibers)
 
 
 def _sketch_length(shape: tuple[int, ...]) -> int | None:
@@ -233,10 +271,13 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
     if grid == "fp16" and values.dtype in (torch.float32, torch.float64):
         values = values.to(torch.float16)
     rows = cols = b""
+    fibers: tuple[Fibers, ...] = ()
     if values.dim() == 2 and max(values.shape) <= MAX_AXIS:
         row_sums, col_sums = _axis_sums(values)
         digest = int(row_sums.sum()) & MASK
         rows, cols = _pack(row_sums), _pack(col_sums)
+    elif values.dim() >= 3 and values.numel() and not param.is_complex():
+        digest, fibers = _fibers(values, wide)
     else:
         flat = values.reshape(-1)
         digest = sum(int(element_hashes(part).sum(dtype=torch.int64)) for part in flat.split(BLOCK)) & MASK
@@ -248,7 +289,7 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
             minus_one = minus_one.to(values.dtype)
         shifted = int(element_hashes(minus_one).sum(dtype=torch.int64)) & MASK
     sketch = b"" if param.is_complex() else sketch_of(wide)
-    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted, sketch)
+    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted, sketch, fibers)
     if version != -1:
         key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)
@@ -270,6 +311,33 @@ def _axis_sums(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         col_sums += hashed.sum(dim=0, dtype=torch.int64)
     rows = torch.cat(row_parts) if row_parts else torch.zeros(0, dtype=torch.int64, device=values.device)
     return rows, col_sums
+
+
+def _fibers(values: torch.Tensor, wide: torch.Tensor) -> tuple[int, tuple[Fibers, ...]]:
+    """The digest of a tensor of three or more dimensions and its :class:`Fibers` along every axis that has at most
+    :data:`MAX_FIBERS` (hashed in blocks along the first axis, as rows are)."""
+    shape = tuple(values.shape)
+    axes = [axis for axis in range(len(shape)) if math.prod(shape) // max(1, shape[axis]) <= MAX_FIBERS]
+    step = max(1, BLOCK // max(1, math.prod(shape[1:])))
+    hash_parts: dict[int, list[torch.Tensor]] = {axis: [] for axis in axes}
+    sum_parts: dict[int, list[torch.Tensor]] = {axis: [] for axis in axes}
+    total = 0
+    for part, wide_part in zip(values.split(step), wide.detach().split(step), strict=True):
+        hashed = element_hashes(part).to(torch.int64)
+        total += int(hashed.sum())
+        floats = wide_part.to(torch.float32)
+        for axis in axes:
+            hash_parts[axis].append(hashed.sum(dim=axis))
+            sum_parts[axis].append(floats.sum(dim=axis))
+    found = []
+    for axis in axes:
+        if axis == 0:  # every block sums a share of each fiber along the first axis
+            hashes, sums = torch.stack(hash_parts[0]).sum(dim=0), torch.stack(sum_parts[0]).sum(dim=0)
+        else:
+            hashes, sums = torch.cat(hash_parts[axis]), torch.cat(sum_parts[axis])
+        raw = sums.reshape(-1).cpu().numpy().astype("<f4", copy=False).tobytes()
+        found.append(Fibers(axis, _pack(hashes.reshape(-1)), raw))
+    return total & MASK, tuple(found)
 
 
 def _pack(sums: torch.Tensor) -> bytes:

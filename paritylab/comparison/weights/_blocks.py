@@ -1,5 +1,5 @@
-"""Fused and sharded tensors block by block: a run of rows (or a stretch of a bias) no reference row matches, compared
-with the reference block it stands for."""
+"""Fused, sharded and split tensors block by block: a run of fibers (rows, columns, a head, an expert; or a stretch
+of a bias) no reference fiber matches, compared with the reference block it stands for."""
 
 from __future__ import annotations
 
@@ -17,80 +17,191 @@ from paritylab.comparison.weights._records import (
     Held,
     WeightFinding,
 )
-from paritylab.tracing.structure import ParamPrint
+from paritylab.comparison.weights._views import View, views
+from paritylab.tracing.structure import MASK, ParamPrint
 
 
 @dataclass
 class _Blocks:
-    """What a fused or sharded candidate tensor holds, block by block."""
+    """What a fused, sharded or split candidate tensor holds, block by block."""
 
     findings: list[WeightFinding] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
     parts: list[tuple[WeightFinding, int, int]] = field(default_factory=list)
     """Findings whose reference is a whole tensor, with the candidate rows ``[start, stop)`` holding it."""
+    twin_digest: int | None = None
+    """The fingerprint the candidate tensor would have with every differing block the reference's (a 2-D or larger
+    tensor), so the alignment pairs its modules as if the defect were not there."""
 
 
 def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
-    """A 2-D candidate tensor most of whose rows are reference rows (a fused ``[q; k; v]`` against separate
-    projections, a shard's ``[q_r; k_r; v_r]``): each run of rows no reference row matches is compared, by its row
-    sums, with each reference block it could stand for (a whole tensor of as many rows none of whose rows the
-    candidate holds, or a gap of as many rows in a tensor the candidate holds the rest of). ``None`` where fewer than
-    a quarter of its rows are reference rows: not a composite."""
-    theirs = item.print
-    if not theirs.row_bytes or len(theirs.shape) != 2 or theirs.sums is None:
+    """A candidate tensor most of whose fibers along one axis are reference fibers (a fused ``[q; k; v]`` against
+    separate projections, a shard's ``[q_r; k_r; v_r]``, a per-head ``W_Q`` one column of which differs): each run of
+    fibers no reference fiber matches is compared, by its fiber sums, with each reference block it could stand for (a
+    whole tensor's fibers, as many, none of which the candidate holds, or a gap of as many in a tensor it holds the rest
+    of). ``None`` where fewer than a quarter of its fibers along every axis are reference fibers: not a composite."""
+    index: dict[tuple[int, int], list[tuple[View, int]]] = {}
+    every = [view for other in ours for view in views(other)]
+    for other in every:
+        for fiber, value in enumerate(other.hashes.tolist()):
+            index.setdefault((other.length, value), []).append((other, fiber))
+    best: tuple[float, View, list[list[tuple[View, int]]]] | None = None
+    for view in views(item):
+        if view.sums is None:
+            continue
+        values = view.hashes.tolist()
+        counts: dict[int, int] = {}
+        for value in values:
+            counts[value] = counts.get(value, 0) + 1
+        held_rows = [  # a fiber held more often than the reference holds it: which copy is right, the gap tells
+            index.get((view.length, value), [])[:1] if counts[value] <= len(index.get((view.length, value), ())) else []
+            for value in values
+        ]
+        share = sum(1 for found in held_rows if found) / max(1, len(held_rows))
+        if 0.25 <= share < 1.0 and (best is None or share > best[0]):
+            best = (share, view, held_rows)
+    if best is None:
         return None
-    width = theirs.shape[1]
-    index: dict[int, list[tuple[Held, int]]] = {}
-    candidates = [other for other in ours if len(other.print.shape) == 2 and other.print.shape[1] == width]
-    for other in candidates:
-        if other.print.row_bytes:
-            for row, value in enumerate(numpy.frombuffer(other.print.row_bytes, dtype="<u8").tolist()):
-                index.setdefault(value, []).append((other, row))
-    hashes = numpy.frombuffer(theirs.row_bytes, dtype="<u8").tolist()
-    held_rows = [index.get(value, [])[:1] for value in hashes]
-    share = sum(1 for found in held_rows if found) / max(1, len(hashes))
-    if share < 0.25 or share == 1.0:
-        return None
-    used: dict[int, set[int]] = {}
-    placed: dict[int, dict[int, int]] = {}  # id of a reference tensor -> its rows -> the candidate rows holding them
+    _, view, held_rows = best
+    candidates = [other for other in every if other.length == view.length and other.sums is not None]
+    used: dict[tuple[int, int], set[int]] = {}
+    placed: dict[tuple[int, int], dict[int, int]] = {}  # a reference view -> its fibers -> the candidate fibers
     for position, found in enumerate(held_rows):
         for other, row in found:
-            used.setdefault(id(other), set()).add(row)
-            placed.setdefault(id(other), {}).setdefault(row, position)
+            used.setdefault(_key(other), set()).add(row)
+            placed.setdefault(_key(other), {}).setdefault(row, position)
     result = _Blocks()
-    differing: dict[int, tuple[Held, WeightFinding]] = {}
+    shift = 0
+    differing: dict[tuple[int, int], tuple[View, WeightFinding]] = {}
     for start, stop in _runs([position for position, found in enumerate(held_rows) if not found]):
         options = list(_blocks_of(candidates, used, stop - start))
         scored = sorted(
-            ((_rows_distance(theirs, start, stop, other.print, first), other, first) for other, first in options),
+            ((_fibers_distance(view, start, stop, other, first), other, first) for other, first in options),
             key=lambda entry: entry[0],
         )
-        where = f"{item.name} rows {start}-{stop - 1}"
+        where = f"{item.name} {view.where(start, stop)}"
+        size = stop - start
         if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
-            result.unmatched.append(where)
-            continue
-        distance, other, first = scored[0]
-        whole = other.print.shape[0] == stop - start
-        reference = other.name if whole else f"{other.name} rows {first}-{first + stop - start - 1}"
-        sums, ref_sums = theirs.sums[0][start:stop], _row_sums(other.print)[first : first + stop - start]
-        scale = _scale(ref_sums, sums)
-        detail = (
-            f"scaled by {scale:.4g}, rel_l2 {abs(scale - 1):.3g}"
-            if scale
-            else f"rel_l2 ~{distance:.3g} (from row sums)"
-        )
-        finding = WeightFinding(
-            where, reference, item.module, other.module, "differs", detail, abs(scale - 1) if scale else distance
-        )
+            moved = _moved(item, view, start, stop, options, index) if len(options) == 1 else None
+            if moved is None:
+                result.unmatched.append(where)
+                continue
+            finding = moved
+            distance, other, first = scored[0]
+        else:
+            distance, other, first = scored[0]
+            finding = _block_finding(where, item, other, first, size, view.sums_at(start, stop), distance)
         result.findings.append(finding)
-        placed.setdefault(id(other), {}).update({first + k: start + k for k in range(stop - start)})
-        differing.setdefault(id(other), (other, finding))
+        shift += int(other.hashes[first : first + size].sum()) - int(view.hashes[start:stop].sum())
+        placed.setdefault(_key(other), {}).update({first + k: start + k for k in range(size)})
+        if view.rows and other.rows:
+            differing.setdefault(_key(other), (other, finding))
     for other, finding in differing.values():  # a reference tensor held whole by a run of rows, some of them wrong
-        rows = placed.get(id(other), {})
+        rows = placed.get(_key(other), {})
         at = rows.get(0)
-        if at is not None and all(rows.get(row) == at + row for row in range(other.print.shape[0])):
-            result.parts.append((finding, at, at + other.print.shape[0]))
+        if at is not None and all(rows.get(row) == at + row for row in range(len(other.hashes))):
+            result.parts.append((finding, at, at + len(other.hashes)))
+    if result.findings:
+        result.twin_digest = (item.print.digest + shift) & MASK
     return result
+
+
+def _by_part(item: Held, ours: list[Held], theirs: list[Held]) -> _Blocks | None:
+    """A candidate tensor that stands for a block of a larger (or otherwise shaped) reference tensor with a defect: a
+    per-head ``W_Q`` against the first columns of a fused projection, one expert's Linear against its block of a fused
+    ``[experts, 2 * inner, d_model]``, a separate ``k`` against the middle rows of a fused ``qkv``. Its fibers' sums
+    are compared with each run of as many reference fibers of their length that no other candidate tensor holds
+    (where a fused tensor's other parts are held elsewhere, the gap they leave; else blocks aligned to its size);
+    the nearest, within :data:`NEAR` and clearly nearer than any other, is the finding. ``None`` where none is."""
+    held_by: dict[int, set[int]] = {}  # fiber length -> the hashes the other candidate tensors hold
+    for tensor in theirs:
+        if tensor is not item:
+            for seen in views(tensor):
+                held_by.setdefault(seen.length, set()).update(seen.hashes.tolist())
+    scored: list[tuple[float, View, View, int]] = []
+    for view in views(item):
+        if view.sums is None:
+            continue
+        size = len(view.hashes)
+        for other in (ref for twin in ours for ref in views(twin)):
+            if other.length != view.length or other.sums is None or len(other.hashes) < size:
+                continue
+            if len(other.hashes) == size and other.item.print.shape == item.print.shape:
+                continue  # the same shape: the nearest-tensor stage judged it
+            taken = held_by.get(other.length, set())
+            free = [fiber for fiber, value in enumerate(other.hashes.tolist()) if value not in taken]
+            for first in sorted(_offsets(_runs(free), size)):
+                scored.append((_fibers_distance(view, 0, size, other, first), view, other, first))
+    scored.sort(key=lambda entry: entry[0])
+    if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
+        return None
+    distance, view, other, first = scored[0]
+    size = len(view.hashes)
+    result = _Blocks()
+    result.findings.append(_block_finding(item.name, item, other, first, size, view.sums_at(0, size), distance))
+    result.twin_digest = int(other.hashes[first : first + size].sum()) & MASK
+    return result
+
+
+def _moved(
+    item: Held,
+    view: View,
+    start: int,
+    stop: int,
+    options: list[tuple[View, int]],
+    index: Mapping[tuple[int, int], list[tuple[View, int]]],
+) -> WeightFinding | None:
+    """A run of candidate fibers standing for the one reference block it can, some of them the block's own and the
+    others fibers the reference holds elsewhere (a block loaded from the wrong place, which leaves a copy of it twice
+    in the candidate): what the differing ones hold. ``None`` where a differing fiber is no reference fiber."""
+    other, first = options[0]
+    size = stop - start
+    ours, theirs = view.hashes[start:stop], other.hashes[first : first + size]
+    differ = numpy.flatnonzero(ours != theirs)
+    if not len(differ) or any(not index.get((view.length, int(value))) for value in ours[differ].tolist()):
+        return None
+    low, high = int(differ[0]), int(differ[-1]) + 1
+    sources = [index[(view.length, int(value))][0] for value in ours[low:high].tolist()]
+    source_view, source_first = sources[0]
+    held = f"{source_view.item.name} {source_view.where(source_first, source_first + high - low)}"
+    if any(found != (source_view, source_first + k) for k, found in enumerate(sources)):
+        held = f"fibers of the reference's from elsewhere, from {held}"
+    where = f"{item.name} {view.where(start + low, start + high)}"
+    reference = f"{other.item.name} {other.where(first + low, first + high)}"
+    assert other.sums is not None
+    rel = other.sums[first + low : first + high]
+    scale = float(numpy.linalg.norm(rel)) or 1.0
+    distance = float(numpy.linalg.norm(view.sums_at(start + low, start + high) - rel)) / scale
+    detail = f"they hold the reference's {held}"
+    if len(differ) < high - low:
+        detail = f"{len(differ)} of these {high - low} differ: {detail}"
+    return WeightFinding(where, reference, item.module, other.item.module, "differs", detail, distance)
+
+
+def _offsets(runs: list[tuple[int, int]], size: int) -> set[int]:
+    """Where a block of ``size`` fibers may start in runs of free fibers: each run's start and every multiple of
+    ``size`` inside it, and the block ending at its end."""
+    found: set[int] = set()
+    for start, stop in runs:
+        if stop - start < size:
+            continue
+        found.update(range(start, stop - size + 1, size))
+        found.update(position for position in range(-(-start // size) * size, stop - size + 1, size))
+        found.add(stop - size)
+    return found
+
+
+def _block_finding(
+    where: str, item: Held, other: View, first: int, size: int, sums: numpy.ndarray, distance: float
+) -> WeightFinding:
+    """A candidate block (``where``) against ``size`` fibers of a reference view from ``first``."""
+    whole = len(other.hashes) == size
+    reference = other.item.name if whole else f"{other.item.name} {other.where(first, first + size)}"
+    assert other.sums is not None
+    scale = _scale(other.sums[first : first + size], sums)
+    detail = f"scaled by {scale:.4g}, rel_l2 {abs(scale - 1):.3g}" if scale else f"rel_l2 ~{distance:.3g} (from sums)"
+    rel_l2 = abs(scale - 1) if scale else distance
+    return WeightFinding(where, reference, item.module, other.item.module, "differs", detail, rel_l2)
 
 
 def _by_tiles(item: Held, ours: list[Held]) -> _Blocks | None:
@@ -145,19 +256,25 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def _blocks_of(candidates: list[Held], used: Mapping[int, set[int]], size: int) -> Iterable[tuple[Held, int]]:
-    """Reference blocks of ``size`` rows a run of candidate rows may stand for: a whole tensor none of whose rows the
-    candidate holds, or a gap of exactly that many rows in a tensor it holds the rest of."""
+def _blocks_of(
+    candidates: list[View], used: Mapping[tuple[int, int], set[int]], size: int
+) -> Iterable[tuple[View, int]]:
+    """Reference blocks of ``size`` fibers a run of candidate fibers may stand for: a whole view (as many fibers) none
+    of whose fibers the candidate holds, or a gap of exactly that many in a view it holds the rest of."""
     for other in candidates:
-        rows = other.print.shape[0]
-        taken = used.get(id(other), set())
+        count = len(other.hashes)
+        taken = used.get(_key(other), set())
         if not taken:
-            if rows == size and other.print.sums is not None:
+            if count == size:
                 yield other, 0
             continue
-        for first, last in _runs([row for row in range(rows) if row not in taken]):
-            if last - first == size and other.print.sums is not None:
+        for first, last in _runs([fiber for fiber in range(count) if fiber not in taken]):
+            if last - first == size:
                 yield other, first
+
+
+def _key(view: View) -> tuple[int, int]:
+    return id(view.item), view.axis
 
 
 def _row_sums(item: ParamPrint) -> numpy.ndarray:
@@ -166,9 +283,11 @@ def _row_sums(item: ParamPrint) -> numpy.ndarray:
     return sums[0]
 
 
-def _rows_distance(theirs: ParamPrint, start: int, stop: int, ours: ParamPrint, first: int) -> float:
-    ref = _row_sums(ours)[first : first + stop - start]
+def _fibers_distance(ours: View, start: int, stop: int, theirs: View, first: int) -> float:
+    """The relative distance of candidate fibers ``[start, stop)``' sums from the reference's from ``first``."""
+    assert ours.sums is not None and theirs.sums is not None
+    ref = theirs.sums[first : first + stop - start]
     scale = float(numpy.linalg.norm(ref))
     if scale == 0.0:
         return math.inf
-    return float(numpy.linalg.norm(_row_sums(theirs)[start:stop] - ref)) / scale
+    return float(numpy.linalg.norm(ours.sums[start:stop] - ref)) / scale

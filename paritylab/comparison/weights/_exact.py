@@ -11,31 +11,35 @@ from paritylab.comparison.weights._records import (
     MAX_LISTED,
     Held,
 )
+from paritylab.comparison.weights._views import views
 
 
 def _row_index(items: Iterable[Held]) -> dict[tuple[int, int], int]:
-    """(row width, row hash) -> how many reference rows of that width hash so (2-D tensors keeping row hashes)."""
+    """(fiber length, fiber hash) -> how many reference fibers of that length hash so: the rows and columns of 2-D
+    tensors, the fibers of larger ones along each axis (:mod:`._views`)."""
     index: dict[tuple[int, int], int] = {}
     for item in items:
-        if item.print.row_bytes and len(item.print.shape) == 2:
-            width = item.print.shape[1]
-            for value in numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist():
-                index[(width, value)] = index.get((width, value), 0) + 1
+        for view in views(item):
+            length = view.length
+            for value in view.hashes.tolist():
+                index[(length, value)] = index.get((length, value), 0) + 1
     return index
 
 
 def _all_rows_held(item: Held, rows: Mapping[tuple[int, int], int]) -> bool:
-    """Every row of a 2-D candidate tensor is a row some reference tensor holds, each at most as often as the
-    reference holds it: a fused projection against separate ones, a part of a fused one, a table cut to some of its
-    rows. (A block of rows overwritten with a copy of another block holds every row, one of them twice: not this.)"""
-    if not item.print.row_bytes or len(item.print.shape) != 2:
-        return False
-    width = item.print.shape[1]
-    values = [value for value in numpy.frombuffer(item.print.row_bytes, dtype="<u8").tolist() if value]
-    counts: dict[int, int] = {}
-    for value in values:
-        counts[value] = counts.get(value, 0) + 1
-    return bool(values) and all(rows.get((width, value), 0) >= count for value, count in counts.items())
+    """Every fiber of a candidate tensor along one axis (every row, every column, every ``W_Q[h, :, e]``) is a fiber
+    some reference tensor holds, each at most as often as the reference holds it: a fused projection against separate
+    ones, a part of a fused one, a per-head or per-expert tensor against a fused one, a table cut to some of its rows.
+    (A block of rows overwritten with a copy of another block holds every row, one of them twice: not this.)"""
+    for view in views(item):
+        length = view.length
+        values = [value for value in view.hashes.tolist() if value]
+        counts: dict[int, int] = {}
+        for value in values:
+            counts[value] = counts.get(value, 0) + 1
+        if values and all(rows.get((length, value), 0) >= count for value, count in counts.items()):
+            return True
+    return False
 
 
 def _layout(ours: Held, theirs: Held) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from paritylab.comparison.weights._blocks import _by_blocks, _by_tiles
+from paritylab.comparison.weights._blocks import _by_blocks, _by_part, _by_tiles
 from paritylab.comparison.weights._describe import _describe
 from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
 from paritylab.comparison.weights._near import _nearest
@@ -61,13 +61,17 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
     for item in open_theirs:
         match = near.get(id(item))
         if match is None:
-            blocks = _by_blocks(item, ours) if len(item.print.shape) == 2 else _by_tiles(item, ours)
+            blocks = _by_blocks(item, ours) if len(item.print.shape) >= 2 else _by_tiles(item, ours)
+            if blocks is None and len(item.print.shape) >= 2:
+                blocks = _by_part(item, ours, theirs)
             if blocks is None:
                 ledger.unmatched.append(item.name)
                 continue
             ledger.matched += not blocks.findings and not blocks.unmatched
             ledger.findings += blocks.findings
             ledger.unmatched += blocks.unmatched
+            if blocks.twin_digest is not None:
+                ledger.twin_digests[item.name] = blocks.twin_digest
             for finding, start, stop in blocks.parts:
                 ledger.part_pairs[finding.reference_module] = (finding.candidate_module, start, stop)
             continue
@@ -123,7 +127,9 @@ def _one_to_one(ours: ModulePrint, theirs: ModulePrint, ledger: WeightLedger) ->
     for param in (*theirs.params, *theirs.buffers):
         name = f"{theirs.path}.{param.name}" if theirs.path else param.name
         if name in near:
-            twin = next(p for p in (*ours.params, *ours.buffers) if _named(ours.path, p) == near[name])
+            twin = next((p for p in (*ours.params, *ours.buffers) if _named(ours.path, p) == near[name]), None)
+            if twin is None:
+                return False  # a block of a reference tensor: a part, not the module's own tensor
             covered.add(_value_key(twin))
         elif _value_key(param) in ref_values:
             covered.add(_value_key(param))
@@ -145,6 +151,12 @@ def as_twins(
             twins[_named(item.path, param)] = param
     moved: list[tuple[str, ParamPrint, ParamPrint]] = []  # (candidate module, its tensor, the twin's print)
     replaced: dict[str, dict[str, ParamPrint]] = {}
+    for holder in candidate.values():  # a part or a composite with a differing block: fingerprinted as if right
+        for param in holder.params:
+            digest = ledger.twin_digests.get(_named(holder.path, param))
+            if digest is not None:
+                replaced.setdefault(holder.path, {})[param.name] = dataclasses.replace(param, digest=digest)
+                moved.append((holder.path, param, replaced[holder.path][param.name]))
     for finding in ledger.differing:
         twin = twins.get(finding.reference)
         module = candidate.get(finding.candidate_module)

@@ -88,6 +88,9 @@ class WeightLedger:
     near_modules: dict[str, set[str]] = field(default_factory=dict)
     """Candidate module -> the reference modules holding the tensor (or one of the identical copies of the tensor) a
     tensor of it is a near copy of: evidence for the ordered pass where copies make the module pair ambiguous."""
+    twin_digests: dict[str, int] = field(default_factory=dict)
+    """Candidate tensor -> the fingerprint it would have without its defect, where it is a part or a composite of the
+    reference's tensors (:func:`as_twins`)."""
     module_pairs: dict[str, str] = field(default_factory=dict)
     """Reference module -> candidate module, for modules whose own tensors match one to one with at least one
     differing: the alignment pairs them whatever their names and classes."""
