@@ -25,6 +25,9 @@ pieces were combined and how each piece compares with the reference's matching p
     rank (a bias added before a row-parallel all-reduce).
 ``unattributed``
     The evidence does not single out ranks (values missing, a layout nothing proves, a placed partial sum).
+``weight``
+    A rank holds a weight that is not the reference's (a shard or a block of one loaded wrong), inside the module
+    where divergence starts (:mod:`.rank_weights`): those ranks, whatever the merged outputs single out.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class RankFinding:
     module: str
     """The module path (``""``: the root)."""
     kind: str
-    """``error``, ``partial-sum``, ``shard-order``, ``rank``, ``all-ranks`` or ``unattributed`` (module docstring)."""
+    """``error``, ``partial-sum``, ``shard-order``, ``rank``, ``handoff``, ``all-ranks``, ``unattributed`` or
+    ``weight`` (module docstring)."""
     ranks: list[int]
     """The ranks at fault; every rank for ``all-ranks`` and ``partial-sum``; empty when none can be named."""
     message: str

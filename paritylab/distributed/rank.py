@@ -5,7 +5,8 @@
 >>> with trace_rank(model, "traces/tp"):                   # writes traces/tp/rank<k>/
 ...     model(input_ids)
 
-Every rank writes its trace (tensors saved, rank and world size in the meta, no parameter fingerprints) and the
+Every rank writes its trace (tensors saved, rank and world size in the meta, the fingerprints of its own tensors:
+a DTensor's local shard) and the
 DTensor placements it sees at module boundaries into ``directory/rank<k>``; a shared filesystem, or copying the
 rank folders together, then lets :func:`paritylab.distributed.compare_ranks` or ``paritylab-compare REFERENCE
 directory`` merge the ranks and judge them against a one-device reference.
@@ -57,8 +58,8 @@ def rank_trace_options(
     rank: int, world_size: int, options: Mapping[str, Any] | None = None, **metadata: str
 ) -> TraceOptions:
     """A rank's trace options: ``options`` (``TraceOptions`` fields; ``save_dtype`` may name a dtype) with tensors
-    saved, rank and world size (and ``metadata``) in the meta, and no parameter fingerprints (a DTensor
-    parameter cannot be hashed as a whole on one rank)."""
+    saved, rank and world size (and ``metadata``) in the meta, and the fingerprints of the rank's own tensors (a
+    DTensor parameter's local shard: :mod:`.rank_weights` matches them with the reference's)."""
     given = dict(options or {})
     saved = given.pop("save_dtype", None)
     if isinstance(saved, str):
@@ -67,7 +68,7 @@ def rank_trace_options(
         given["save_dtype"] = saved
     meta = {str(key): str(value) for key, value in dict(given.pop("metadata", {}) or {}).items()}
     meta.update({key: str(value) for key, value in metadata.items()}, rank=str(rank), world_size=str(world_size))
-    return TraceOptions(**{**given, "save_tensors": True, "fingerprint": False, "metadata": meta})
+    return TraceOptions(**{**given, "save_tensors": True, "fingerprint": True, "metadata": meta})
 
 
 def current_rank() -> tuple[int, int]:

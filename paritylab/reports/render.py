@@ -175,7 +175,17 @@ def weights_at(report: Report, row: Row | None) -> list[WeightFinding]:
     if row.candidate is not None:
         paths.append(row.candidate.key.rsplit("#", 1)[0])
     found = report.alignment.weights.at(*paths)
+    if not found:  # a tensor inside it (a shard's block of a fused projection, read in its own code)
+        found = [
+            finding
+            for finding in report.alignment.weights.differing
+            if _inside(finding.reference_module, paths[0]) or _inside(finding.candidate_module, paths[-1])
+        ]
     return sorted(found, key=lambda finding: finding.kind != "differs")
+
+
+def _inside(module: str, ancestor: str) -> bool:
+    return not ancestor or module.startswith(f"{ancestor}.")
 
 
 def weights_lines(report: Report, limit: int = 5) -> list[str]:

@@ -208,14 +208,14 @@ def fingerprint(model: nn.Module, grid: str = "bf16") -> dict[str, ModulePrint]:
         for path, module in model.named_modules():
             prints = []
             for name, param in module.named_parameters(recurse=False):
-                summary = _param_print(name, param, grid)
+                summary = _param_print(name, local_tensor(param), grid)
                 if summary.digest == 0:
                     continue  # all zeros: computes nothing
                 digests.setdefault(id(param), summary.digest)
                 prints.append(summary)
             direct[path] = tuple(prints)
             buffers[path] = tuple(
-                _param_print(name, buffer, grid)
+                _param_print(name, local_tensor(buffer), grid)
                 for name, buffer in module.named_buffers(recurse=False)
                 if buffer is not None and buffer.is_floating_point() and buffer.device.type != "meta" and buffer.numel()
             )
@@ -245,7 +245,8 @@ _models: dict[tuple[int, str], _ModelEntry] = {}
 def fingerprint_json(model: nn.Module, grid: str = "bf16") -> list[dict[str, Any]]:
     """:func:`fingerprint` as JSON-ready entries, reused while every parameter of ``model`` is the same
     tensor with the same version and storage (tracing one model again costs microseconds here)."""
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point() and b.device.type != "meta")]
+    buffers = (b for b in model.buffers() if b.is_floating_point() and b.device.type != "meta")
+    tensors = [local_tensor(t) for t in (*model.parameters(), *buffers)]
     key = tuple((id(p), getattr(p, "_version", -1), p.data_ptr() if p.numel() else 0) for p in tensors)
     ident = (id(model), grid)
     cached = _models.get(ident)
@@ -254,6 +255,12 @@ def fingerprint_json(model: nn.Module, grid: str = "bf16") -> list[dict[str, Any
     entries = [item.to_json() for item in fingerprint(model, grid).values()]
     _models[ident] = (weakref.ref(model, lambda _: _models.pop(ident, None)), key, entries)
     return entries
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what a rank's fingerprint hashes: its own tensors), else the tensor."""
+    to_local = getattr(type(tensor), "to_local", None)
+    return tensor.to_local() if callable(to_local) else tensor  # type: ignore[attr-defined]
 
 
 def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPrint:

@@ -34,36 +34,72 @@ class _Blocks:
     tensor), so the alignment pairs its modules as if the defect were not there."""
 
 
+_Held = list[list[tuple[View, int]]]
+"""Per candidate fiber: the reference fiber (view, index) it is, or nothing."""
+
+
 def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
     """A candidate tensor most of whose fibers along one axis are reference fibers (a fused ``[q; k; v]`` against
     separate projections, a shard's ``[q_r; k_r; v_r]``, a per-head ``W_Q`` one column of which differs): each run of
     fibers no reference fiber matches is compared, by its fiber sums, with each reference block it could stand for (a
-    whole tensor's fibers, as many, none of which the candidate holds, or a gap of as many in a tensor it holds the rest
-    of). ``None`` where fewer than a quarter of its fibers along every axis are reference fibers: not a composite."""
+    whole tensor's fibers, as many, none of which the candidate holds, a block of one aligned to the run's size, or a
+    gap of as many in a tensor it holds the rest of). ``None`` where fewer than a quarter of its fibers along every
+    axis are reference fibers: not a composite. A fiber the candidate holds more often than the reference (a block
+    loaded from the wrong place leaves two copies) is read each way (every copy, the first or the last standing for
+    its reference fiber): the reading that leaves fewest runs unexplained."""
     index: dict[tuple[int, int], list[tuple[View, int]]] = {}
     every = [view for other in ours for view in views(other)]
     for other in every:
         for fiber, value in enumerate(other.hashes.tolist()):
             index.setdefault((other.length, value), []).append((other, fiber))
-    best: tuple[float, View, list[list[tuple[View, int]]]] | None = None
+    best: tuple[float, View, list[_Held]] | None = None
     for view in views(item):
         if view.sums is None:
             continue
-        values = view.hashes.tolist()
-        counts: dict[int, int] = {}
-        for value in values:
-            counts[value] = counts.get(value, 0) + 1
-        held_rows = [  # a fiber held more often than the reference holds it: which copy is right, the gap tells
-            index.get((view.length, value), [])[:1] if counts[value] <= len(index.get((view.length, value), ())) else []
-            for value in values
-        ]
-        share = sum(1 for found in held_rows if found) / max(1, len(held_rows))
+        readings = _readings(view, index)
+        share = sum(1 for found in readings[-1] if found) / max(1, len(readings[-1]))
         if 0.25 <= share < 1.0 and (best is None or share > best[0]):
-            best = (share, view, held_rows)
+            best = (share, view, readings)
     if best is None:
         return None
-    _, view, held_rows = best
+    _, view, readings = best
     candidates = [other for other in every if other.length == view.length and other.sums is not None]
+    results = [_analysed(item, view, held_rows, candidates, index) for held_rows in readings]
+    return min(results, key=lambda result: (len(result.unmatched), -len(result.findings)))
+
+
+def _readings(view: View, index: Mapping[tuple[int, int], list[tuple[View, int]]]) -> list[_Held]:
+    """Which reference fiber each candidate fiber is: copies held more often than the reference holds them unread,
+    then the first copy read, then the last (the last reading holds the most)."""
+    values = view.hashes.tolist()
+    positions: dict[int, list[int]] = {}
+    for position, value in enumerate(values):
+        positions.setdefault(value, []).append(position)
+    plain = [index.get((view.length, value), [])[:1] for value in values]
+    surplus = {
+        value: where for value, where in positions.items() if len(where) > len(index.get((view.length, value), ()))
+    }
+    if not surplus:
+        return [plain]
+    readings: list[_Held] = []
+    for keep in (None, 0, -1):
+        reading = list(plain)
+        for where in surplus.values():
+            for position in where:
+                reading[position] = []
+            if keep is not None and plain[where[keep]]:
+                reading[where[keep]] = plain[where[keep]]
+        readings.append(reading)
+    return readings
+
+
+def _analysed(
+    item: Held,
+    view: View,
+    held_rows: _Held,
+    candidates: list[View],
+    index: Mapping[tuple[int, int], list[tuple[View, int]]],
+) -> _Blocks:
     used: dict[tuple[int, int], set[int]] = {}
     placed: dict[tuple[int, int], dict[int, int]] = {}  # a reference view -> its fibers -> the candidate fibers
     for position, found in enumerate(held_rows):
@@ -74,23 +110,23 @@ def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
     shift = 0
     differing: dict[tuple[int, int], tuple[View, WeightFinding]] = {}
     for start, stop in _runs([position for position, found in enumerate(held_rows) if not found]):
-        options = list(_blocks_of(candidates, used, stop - start))
+        size = stop - start
+        options = list(_blocks_of(candidates, used, size))
         scored = sorted(
             ((_fibers_distance(view, start, stop, other, first), other, first) for other, first in options),
             key=lambda entry: entry[0],
         )
         where = f"{item.name} {view.where(start, stop)}"
-        size = stop - start
-        if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
-            moved = _moved(item, view, start, stop, options, index) if len(options) == 1 else None
+        if scored and scored[0][0] < NEAR and (len(scored) == 1 or scored[0][0] <= UNIQUE * scored[1][0]):
+            distance, other, first = scored[0]
+            finding = _block_finding(where, item, other, first, size, view.sums_at(start, stop), distance)
+        else:
+            in_step = _in_step(options, held_rows, start, stop)
+            moved = _moved(item, view, start, stop, in_step[0], index) if len(in_step) == 1 else None
             if moved is None:
                 result.unmatched.append(where)
                 continue
-            finding = moved
-            distance, other, first = scored[0]
-        else:
-            distance, other, first = scored[0]
-            finding = _block_finding(where, item, other, first, size, view.sums_at(start, stop), distance)
+            finding, (other, first) = moved, in_step[0]
         result.findings.append(finding)
         shift += int(other.hashes[first : first + size].sum()) - int(view.hashes[start:stop].sum())
         placed.setdefault(_key(other), {}).update({first + k: start + k for k in range(size)})
@@ -104,6 +140,31 @@ def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
     if result.findings:
         result.twin_digest = (item.print.digest + shift) & MASK
     return result
+
+
+def _in_step(options: list[tuple[View, int]], held_rows: _Held, start: int, stop: int) -> list[tuple[View, int]]:
+    """The blocks a run may stand for, narrowed (where there are several) to those its neighbours place: the block
+    that continues the reference fibers just before or after the run in their own view, else a block of another view
+    starting where the neighbouring block of the run's size starts in its view (a shard's ``[q_r; k_r; v_r]`` holds
+    rows ``r * n`` on of each)."""
+    if len(options) <= 1:
+        return options
+    size = stop - start
+    before = held_rows[start - 1][0] if start > 0 and held_rows[start - 1] else None
+    after = held_rows[stop][0] if stop < len(held_rows) and held_rows[stop] else None
+    continued: set[tuple[tuple[int, int], int]] = set()
+    if before is not None:
+        continued.add((_key(before[0]), before[1] + 1))
+    if after is not None:
+        continued.add((_key(after[0]), after[1] - size))
+    found = [(other, first) for other, first in options if (_key(other), first) in continued]
+    if found:
+        return found
+    steps = set()
+    for position in (start - size, stop):
+        if 0 <= position < len(held_rows) and held_rows[position]:
+            steps.add(held_rows[position][0][1])
+    return [(other, first) for other, first in options if first in steps] or options
 
 
 def _by_part(item: Held, ours: list[Held], theirs: list[Held]) -> _Blocks | None:
@@ -148,13 +209,13 @@ def _moved(
     view: View,
     start: int,
     stop: int,
-    options: list[tuple[View, int]],
+    option: tuple[View, int],
     index: Mapping[tuple[int, int], list[tuple[View, int]]],
 ) -> WeightFinding | None:
     """A run of candidate fibers standing for the one reference block it can, some of them the block's own and the
     others fibers the reference holds elsewhere (a block loaded from the wrong place, which leaves a copy of it twice
     in the candidate): what the differing ones hold. ``None`` where a differing fiber is no reference fiber."""
-    other, first = options[0]
+    other, first = option
     size = stop - start
     ours, theirs = view.hashes[start:stop], other.hashes[first : first + size]
     differ = numpy.flatnonzero(ours != theirs)
@@ -259,14 +320,15 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 def _blocks_of(
     candidates: list[View], used: Mapping[tuple[int, int], set[int]], size: int
 ) -> Iterable[tuple[View, int]]:
-    """Reference blocks of ``size`` fibers a run of candidate fibers may stand for: a whole view (as many fibers) none
-    of whose fibers the candidate holds, or a gap of exactly that many in a view it holds the rest of."""
+    """Reference blocks of ``size`` fibers a run of candidate fibers may stand for: a whole view (as many fibers) or a
+    block aligned to ``size`` of one none of whose fibers the candidate holds, or a gap of exactly that many in a view
+    it holds the rest of."""
     for other in candidates:
         count = len(other.hashes)
         taken = used.get(_key(other), set())
         if not taken:
-            if count == size:
-                yield other, 0
+            if count == size or count % size == 0:  # the whole view, or a block aligned to its size (a shard's)
+                yield from ((other, first) for first in range(0, count, size))
             continue
         for first, last in _runs([fiber for fiber in range(count) if fiber not in taken]):
             if last - first == size:

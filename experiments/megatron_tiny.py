@@ -1,0 +1,168 @@
+"""A hand-written Megatron-style tensor-parallel port, built on every rank by :func:`build` (a ``"module:function"``
+builder for :func:`paritylab.distributed.check_distributed`), of :class:`Reference`: a small transformer whose
+attention holds separate q, k, v and o projections.
+
+Each rank fuses its share of q, k and v into one projection as vLLM and Megatron do: rank ``r`` holds the rows
+``[q_r; k_r; v_r]`` (its heads' rows of each, laid end to end), so the merged ``qkv`` output is no reference value
+and the ranks' pieces are not one block of anything; o and the MLP's down projection are row-parallel (each rank
+multiplies its slice, an all-reduce sums, the bias is added once after it); the MLP's up projection is
+column-parallel. Norms and the head are replicated.
+
+``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from paritylab.distributed.launch import RankContext, takes_options
+
+WIDTH, HEADS, INNER, LAYERS, VOCAB = 32, 4, 64, 2, 8
+HEAD = WIDTH // HEADS
+
+DEFECTS = {
+    "k_block_scaled": "rank 1 loads its k rows of layer 0's fused qkv scaled by 1.01 (a conversion bug on one shard)",
+    "k_block_from_v": "rank 1 loads its k rows of layer 0's fused qkv from v's rows (a wrong block)",
+}
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    q, k, v = (part.unflatten(-1, (-1, HEAD)).transpose(1, 2) for part in (q, k, v))
+    return (F.softmax(q @ k.transpose(-1, -2) / HEAD**0.5, dim=-1) @ v).transpose(1, 2).flatten(2)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(_attend(self.q(x), self.k(x), self.v(x)))
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, INNER), nn.Linear(INNER, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(WIDTH), attention, nn.LayerNorm(WIDTH), mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Reference(nn.Module):
+    """The one-device reference: two blocks and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(Attention(), Mlp()) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def reference(seed: int = 0) -> Reference:
+    """The reference with seeded weights (biases too: a zero bias counted twice is still right)."""
+    torch.manual_seed(seed)
+    model = Reference().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.bias.normal_(0, 0.1)
+    return model
+
+
+class RowParallel(nn.Module):
+    """A row-parallel Linear: this rank's columns of the weight, an all-reduce, the bias once."""
+
+    def __init__(self, inner: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(WIDTH, inner))
+        self.bias = nn.Parameter(torch.empty(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x @ self.weight.T
+        dist.all_reduce(partial)
+        return partial + self.bias
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.local = WIDTH // size
+        self.qkv, self.o = nn.Linear(WIDTH, 3 * self.local), RowParallel(self.local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(self.local, dim=-1)
+        return self.o(_attend(q, k, v))
+
+
+class ShardedMlp(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, INNER // size), RowParallel(INNER // size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Port(Reference):
+    def __init__(self, size: int) -> None:
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList(Block(FusedAttention(size), ShardedMlp(size)) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+
+@takes_options("defect")
+def build(context: RankContext) -> nn.Module:
+    """Rank ``context.rank``'s share of :class:`Reference` with the reference's weights (``context.state_dict()``);
+    ``options["defect"]`` plants a bug (:data:`DEFECTS`)."""
+    defect = context.options.get("defect")
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"unknown defect {defect!r}; known: {', '.join(DEFECTS)}")
+    size, rank = context.world_size, context.rank
+    if HEADS % size or INNER % size:
+        raise ValueError(f"{HEADS} heads and an inner size of {INNER} must divide by the world size {size}")
+    weights = context.state_dict()
+    model = Port(size).eval()
+    local, inner = WIDTH // size, INNER // size
+    rows, inner_rows = slice(rank * local, (rank + 1) * local), slice(rank * inner, (rank + 1) * inner)
+    with torch.no_grad():
+        for index, block in enumerate(model.blocks):
+            prefix = f"blocks.{index}"
+            for norm in ("norm1", "norm2"):
+                getattr(block, norm).load_state_dict(
+                    {name: weights[f"{prefix}.{norm}.{name}"] for name in ("weight", "bias")}
+                )
+            attention, mlp = block.attn, block.mlp
+            assert isinstance(attention, FusedAttention) and isinstance(mlp, ShardedMlp)
+            parts = {name: weights[f"{prefix}.attn.{name}.weight"][rows] for name in "qkv"}
+            if index == 0 and rank == 1 and defect == "k_block_scaled":
+                parts["k"] = parts["k"] * 1.01
+            elif index == 0 and rank == 1 and defect == "k_block_from_v":
+                parts["k"] = parts["v"].clone()
+            attention.qkv.weight.copy_(torch.cat([parts["q"], parts["k"], parts["v"]]))
+            attention.qkv.bias.copy_(torch.cat([weights[f"{prefix}.attn.{name}.bias"][rows] for name in "qkv"]))
+            attention.o.weight.copy_(weights[f"{prefix}.attn.o.weight"][:, rows])
+            attention.o.bias.copy_(weights[f"{prefix}.attn.o.bias"])
+            mlp.up.weight.copy_(weights[f"{prefix}.mlp.up.weight"][inner_rows])
+            mlp.up.bias.copy_(weights[f"{prefix}.mlp.up.bias"][inner_rows])
+            mlp.down.weight.copy_(weights[f"{prefix}.mlp.down.weight"][:, inner_rows])
+            mlp.down.bias.copy_(weights[f"{prefix}.mlp.down.bias"])
+        model.head.load_state_dict({name: weights[f"head.{name}"] for name in ("weight", "bias")})
+    return model.to(context.device)
