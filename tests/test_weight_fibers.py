@@ -233,3 +233,27 @@ def test_a_wrong_weight_these_inputs_cannot_show_still_fails_at_its_module(tmp_p
     assert "its weights differ: 0.weight differs from the reference's 0.weight: columns 0 of 16 differ" in headline(
         report
     )
+
+
+class ShiftedNorm(nn.Module):
+    """An RMSNorm storing its scale as ``g = w - 1`` (it multiplies by ``1 + g``: Gemma's, x-transformers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (WIDTH,)) * (1 + self.g)
+
+
+def test_a_norm_scale_stored_as_w_minus_one_with_a_defect_is_near_its_twin():
+    torch.manual_seed(0)
+    reference, candidate = nn.RMSNorm(WIDTH), ShiftedNorm()
+    with torch.no_grad():
+        reference.weight.copy_(1 + 0.1 * torch.randn(WIDTH))
+        candidate.g.copy_(reference.weight - 1)
+    assert ledger_of(reference, candidate).findings == []  # the same scale, stored the other way: exact
+    with torch.no_grad():
+        candidate.g.mul_(1.01)
+    (finding,) = ledger_of(reference, candidate).differing
+    assert finding.line().startswith("g differs from the reference's weight: scaled by 1.01 (as w - 1), rel_l2 0.01")

@@ -70,7 +70,8 @@ def _row_runs(ref_rows: numpy.ndarray, cand_rows: numpy.ndarray) -> str:
         else:
             runs.append((position, source, 1))
     moved = [run for run in runs if run[0] != run[1]]
-    text = [f"rows {start}-{start + size - 1} hold the reference's rows {source}-{source + size - 1}"
+    text = [f"row {start} holds the reference's row {source}" if size == 1 else
+            f"rows {start}-{start + size - 1} hold the reference's rows {source}-{source + size - 1}"
             for start, source, size in moved[:MAX_LISTED]]  # fmt: skip
     more = f" and {len(moved) - MAX_LISTED} more runs" if len(moved) > MAX_LISTED else ""
     return ", ".join(text) + more

@@ -109,3 +109,41 @@ def _distance(ours: ParamPrint, theirs: ParamPrint, flipped: bool) -> float:
     if scale == 0.0:
         return 0.0 if not numpy.any(cand) else math.inf
     return float(numpy.linalg.norm(cand - ref)) / scale
+
+
+def _nearest_shifted(
+    ours: list[Held], theirs: list[Held]
+) -> dict[int, tuple[Held, float, numpy.ndarray, numpy.ndarray]]:
+    """Candidate 1-D tensor id -> (the reference tensor, the distance, the reference's values and the candidate's in
+    one convention) for norm scales stored the other way (``g = w - 1`` against ``w``: Gemma's and x-transformers'
+    norms multiply by ``1 + g``) that lie near one reference tensor once one side is shifted by one, and clearly
+    nearer it than any other; each reference tensor taken once, nearest first."""
+    proposals: list[tuple[float, int, Held, Held, numpy.ndarray, numpy.ndarray]] = []
+    flat = [item for item in ours if len(item.print.shape) == 1 and item.print.sums is not None]
+    for order, item in enumerate(theirs):
+        sums = item.print.sums
+        if len(item.print.shape) != 1 or sums is None:
+            continue
+        scored: list[tuple[float, Held, numpy.ndarray, numpy.ndarray]] = []
+        for twin in flat:
+            twin_sums = twin.print.sums
+            if twin.print.shape != item.print.shape or twin_sums is None:
+                continue
+            for ref, cand in ((twin_sums[0] - 1.0, sums[0]), (twin_sums[0], sums[0] - 1.0)):
+                scale = float(numpy.linalg.norm(ref))
+                if scale > 0:
+                    scored.append((float(numpy.linalg.norm(cand - ref)) / scale, twin, ref, cand))
+        scored.sort(key=lambda entry: entry[0])
+        if not scored:
+            continue
+        best, twin, ref, cand = scored[0]
+        second = next((entry[0] for entry in scored[1:] if entry[1].print.digest != twin.print.digest), math.inf)
+        if best < NEAR and best <= UNIQUE * second:
+            proposals.append((best, order, twin, item, ref, cand))
+    taken: set[int] = set()
+    found: dict[int, tuple[Held, float, numpy.ndarray, numpy.ndarray]] = {}
+    for distance, _, twin, item, ref, cand in sorted(proposals, key=lambda entry: entry[:2]):
+        if id(twin) not in taken:
+            taken.add(id(twin))
+            found[id(item)] = (twin, distance, ref, cand)
+    return found
