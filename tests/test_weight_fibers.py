@@ -257,3 +257,40 @@ def test_a_norm_scale_stored_as_w_minus_one_with_a_defect_is_near_its_twin():
         candidate.g.mul_(1.01)
     (finding,) = ledger_of(reference, candidate).differing
     assert finding.line().startswith("g differs from the reference's weight: scaled by 1.01 (as w - 1), rel_l2 0.01")
+
+
+class RotaryReference(nn.Module):
+    """Frequencies as transformers keeps them (``inv_freq``); the angles are made in the forward."""
+
+    def __init__(self, base: float = 10000.0) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, HEAD, 2).float() / HEAD))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[1]).float()[:, None] * self.inv_freq
+        return x * torch.cat([angles, angles], -1).sin()
+
+
+class RotaryTable(nn.Module):
+    """The same with a precomputed ``sin`` table, as TransformerLens keeps it (``rotary_sin [positions, head]``)."""
+
+    def __init__(self, base: float = 10000.0, scale: float = 1.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, HEAD, 2).float() / HEAD)
+        angles = torch.arange(32).float()[:, None] * inv_freq
+        self.register_buffer("rotary_sin", torch.cat([angles, angles], -1).sin() * scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.rotary_sin[: x.shape[1]]
+
+
+def test_a_precomputed_rotary_table_is_matched_with_the_frequencies_it_is_built_from():
+    assert ledger_of(RotaryReference(), RotaryTable()).findings == []
+    assert ledger_of(RotaryReference(), RotaryTable()).matched == 1
+    (scaled,) = ledger_of(RotaryReference(), RotaryTable(scale=1.01)).differing
+    assert scaled.line() == (
+        "rotary_sin differs from the reference's inv_freq: as sin(position x inv_freq), from row sums: "
+        "scaled by 1.01, rel_l2 0.01"
+    )
+    (based,) = ledger_of(RotaryReference(), RotaryTable(base=20000.0)).differing
+    assert based.candidate == "rotary_sin" and based.detail.startswith("as sin(position x inv_freq), from row sums")

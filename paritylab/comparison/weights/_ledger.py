@@ -20,6 +20,7 @@ from paritylab.comparison.weights._records import (
     _value_key,
     held,
 )
+from paritylab.comparison.weights._tables import EXACT, _derived, _derived_detail
 from paritylab.tracing.structure import MASK, ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import display_path
 
@@ -75,6 +76,15 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             blocks = _by_blocks(item, ours) if len(item.print.shape) >= 2 else _by_tiles(item, ours)
             if blocks is None and len(item.print.shape) >= 2:
                 blocks = _by_part(item, ours, theirs)
+            derived = _derived(item, ours) if blocks is None else None
+            if derived is not None:  # a rotary table built from the reference's frequencies
+                twin, function, distance, expected, row_sums = derived
+                if distance <= EXACT:
+                    ledger.matched += 1
+                else:
+                    detail = _derived_detail(function, twin, expected, row_sums, distance)
+                    ledger.findings.append(_finding(twin, item, "differs", detail, distance))
+                continue
             if blocks is None:
                 ledger.unmatched.append(item.name)
                 continue
