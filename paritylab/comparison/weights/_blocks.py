@@ -38,7 +38,33 @@ _Held = list[list[tuple[View, int]]]
 """Per candidate fiber: the reference fiber (view, index) it is, or nothing."""
 
 
-def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
+@dataclass
+class Fibers:
+    """Every fiber of both sides, indexed once for a ledger (a large model holds millions)."""
+
+    views: list[View]
+    """The reference's views."""
+    index: dict[tuple[int, int], list[tuple[View, int]]]
+    """(fiber length, hash) -> the reference fibers hashing so."""
+    counts: dict[tuple[int, int], int]
+    """(fiber length, hash) -> how many candidate fibers hash so."""
+
+    @classmethod
+    def of(cls, ours: list[Held], theirs: list[Held]) -> Fibers:
+        every = [view for other in ours for view in views(other)]
+        index: dict[tuple[int, int], list[tuple[View, int]]] = {}
+        for other in every:
+            for fiber, value in enumerate(other.hashes.tolist()):
+                index.setdefault((other.length, value), []).append((other, fiber))
+        counts: dict[tuple[int, int], int] = {}
+        for tensor in theirs:
+            for seen in views(tensor):
+                for value in seen.hashes.tolist():
+                    counts[(seen.length, value)] = counts.get((seen.length, value), 0) + 1
+        return cls(every, index, counts)
+
+
+def _by_blocks(item: Held, fibers: Fibers) -> _Blocks | None:
     """A candidate tensor most of whose fibers along one axis are reference fibers (a fused ``[q; k; v]`` against
     separate projections, a shard's ``[q_r; k_r; v_r]``, a per-head ``W_Q`` one column of which differs): each run of
     fibers no reference fiber matches is compared, by its fiber sums, with each reference block it could stand for (a
@@ -47,11 +73,7 @@ def _by_blocks(item: Held, ours: list[Held]) -> _Blocks | None:
     axis are reference fibers: not a composite. A fiber the candidate holds more often than the reference (a block
     loaded from the wrong place leaves two copies) is read each way (every copy, the first or the last standing for
     its reference fiber): the reading that leaves fewest runs unexplained."""
-    index: dict[tuple[int, int], list[tuple[View, int]]] = {}
-    every = [view for other in ours for view in views(other)]
-    for other in every:
-        for fiber, value in enumerate(other.hashes.tolist()):
-            index.setdefault((other.length, value), []).append((other, fiber))
+    index, every = fibers.index, fibers.views
     best: tuple[float, View, list[_Held]] | None = None
     for view in views(item):
         if view.sums is None:
@@ -167,30 +189,33 @@ def _in_step(options: list[tuple[View, int]], held_rows: _Held, start: int, stop
     return [(other, first) for other, first in options if first in steps] or options
 
 
-def _by_part(item: Held, ours: list[Held], theirs: list[Held]) -> _Blocks | None:
+def _by_part(item: Held, fibers: Fibers) -> _Blocks | None:
     """A candidate tensor that stands for a block of a larger (or otherwise shaped) reference tensor with a defect: a
     per-head ``W_Q`` against the first columns of a fused projection, one expert's Linear against its block of a fused
     ``[experts, 2 * inner, d_model]``, a separate ``k`` against the middle rows of a fused ``qkv``. Its fibers' sums
     are compared with each run of as many reference fibers of their length that no other candidate tensor holds
     (where a fused tensor's other parts are held elsewhere, the gap they leave; else blocks aligned to its size);
     the nearest, within :data:`NEAR` and clearly nearer than any other, is the finding. ``None`` where none is."""
-    held_by: dict[int, set[int]] = {}  # fiber length -> the hashes the other candidate tensors hold
-    for tensor in theirs:
-        if tensor is not item:
-            for seen in views(tensor):
-                held_by.setdefault(seen.length, set()).update(seen.hashes.tolist())
+    own: dict[tuple[int, int], int] = {}
+    for seen in views(item):
+        for value in seen.hashes.tolist():
+            own[(seen.length, value)] = own.get((seen.length, value), 0) + 1
     scored: list[tuple[float, View, View, int]] = []
     for view in views(item):
         if view.sums is None:
             continue
         size = len(view.hashes)
-        for other in (ref for twin in ours for ref in views(twin)):
+        for other in fibers.views:
             if other.length != view.length or other.sums is None or len(other.hashes) < size:
                 continue
             if len(other.hashes) == size and other.item.print.shape == item.print.shape:
                 continue  # the same shape: the nearest-tensor stage judged it
-            taken = held_by.get(other.length, set())
-            free = [fiber for fiber, value in enumerate(other.hashes.tolist()) if value not in taken]
+            length = other.length
+            free = [  # fibers no other candidate tensor holds
+                fiber
+                for fiber, value in enumerate(other.hashes.tolist())
+                if fibers.counts.get((length, value), 0) <= own.get((length, value), 0)
+            ]
             for first in sorted(_offsets(_runs(free), size)):
                 scored.append((_fibers_distance(view, 0, size, other, first), view, other, first))
     scored.sort(key=lambda entry: entry[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from paritylab.comparison.weights._blocks import _by_blocks, _by_part, _by_tiles
+from paritylab.comparison.weights._blocks import Fibers, _by_blocks, _by_part, _by_tiles
 from paritylab.comparison.weights._describe import _describe, _values_differ
 from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
 from paritylab.comparison.weights._near import _nearest, _nearest_shifted
@@ -59,6 +59,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
         open_theirs.append(item)
     open_ours = [item for item in ours if id(item) not in claimed and item.print.sketch]
     near = _nearest(open_ours, open_theirs)
+    fibers: Fibers | None = None  # indexed once, where a tensor needs it
     taken = {id(twin) for twin, _, _ in near.values()}
     shifted = _nearest_shifted(
         [item for item in open_ours if id(item) not in taken], [item for item in open_theirs if id(item) not in near]
@@ -73,9 +74,11 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             ledger.findings.append(_finding(twin, item, "differs", detail, distance))
             continue
         if match is None:
-            blocks = _by_blocks(item, ours) if len(item.print.shape) >= 2 else _by_tiles(item, ours)
-            if blocks is None and len(item.print.shape) >= 2:
-                blocks = _by_part(item, ours, theirs)
+            if len(item.print.shape) >= 2:
+                fibers = fibers or Fibers.of(ours, theirs)
+                blocks = _by_blocks(item, fibers) or _by_part(item, fibers)
+            else:
+                blocks = _by_tiles(item, ours)
             derived = _derived(item, ours) if blocks is None else None
             if derived is not None:  # a rotary table built from the reference's frequencies
                 twin, function, distance, expected, row_sums = derived
