@@ -294,3 +294,18 @@ def test_a_precomputed_rotary_table_is_matched_with_the_frequencies_it_is_built_
     )
     (based,) = ledger_of(RotaryReference(), RotaryTable(base=20000.0)).differing
     assert based.candidate == "rotary_sin" and based.detail.startswith("as sin(position x inv_freq), from row sums")
+
+
+def test_a_per_head_weight_against_q_rows_interleaved_head_by_head_is_the_gaps_its_peers_leave():
+    reference, candidate = attention_pair("scaled")
+    fused = reference.attention
+    assert isinstance(fused, FusedAttention)
+    with torch.no_grad():  # GPT-NeoX's layout: [q_h; k_h; v_h] for each head h in turn
+        order = torch.arange(3 * WIDTH).unflatten(0, (3, HEADS, HEAD)).transpose(0, 1).flatten()
+        fused.qkv.weight.copy_(fused.qkv.weight[order].clone())
+        fused.qkv.bias.copy_(fused.qkv.bias[order].clone())
+    (finding,) = ledger_of(reference, candidate).differing
+    assert finding.line() == (
+        "attention.W_Q differs from the reference's attention.qkv.weight rows 0-7, rows 24-31, rows 48-55, "
+        "rows 72-79: scaled by 1.01, rel_l2 0.01"
+    )

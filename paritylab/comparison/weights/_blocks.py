@@ -11,6 +11,7 @@ import numpy
 
 from paritylab.comparison.weights._describe import _scale, _values_differ
 from paritylab.comparison.weights._records import (
+    MAX_LISTED,
     NEAR,
     ROUNDING,
     UNIQUE,
@@ -200,7 +201,7 @@ def _by_part(item: Held, fibers: Fibers) -> _Blocks | None:
     for seen in views(item):
         for value in seen.hashes.tolist():
             own[(seen.length, value)] = own.get((seen.length, value), 0) + 1
-    scored: list[tuple[float, View, View, int]] = []
+    scored: list[tuple[float, View, View, int, numpy.ndarray | None]] = []
     for view in views(item):
         if view.sums is None:
             continue
@@ -217,16 +218,42 @@ def _by_part(item: Held, fibers: Fibers) -> _Blocks | None:
                 if fibers.counts.get((length, value), 0) <= own.get((length, value), 0)
             ]
             for first in sorted(_offsets(_runs(free), size)):
-                scored.append((_fibers_distance(view, 0, size, other, first), view, other, first))
+                scored.append((_fibers_distance(view, 0, size, other, first), view, other, first, None))
+            runs = _runs(free)
+            if len(free) == size and len(runs) > 1:  # the gaps the other parts leave, together: a per-head W_Q
+                gaps = numpy.array(free)  # against q rows interleaved with k's and v's head by head (GPT-NeoX)
+                scored.append((_spread_distance(view, other, gaps), view, other, 0, gaps))
     scored.sort(key=lambda entry: entry[0])
     if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
         return None
-    distance, view, other, first = scored[0]
+    distance, view, other, first, spread = scored[0]
     size = len(view.hashes)
     result = _Blocks()
-    result.findings.append(_block_finding(item.name, item, other, first, size, view.sums_at(0, size), distance))
-    result.twin_digest = int(other.hashes[first : first + size].sum()) & MASK
+    sums = view.sums_at(0, size)
+    if spread is None:
+        result.findings.append(_block_finding(item.name, item, other, first, size, sums, distance))
+        result.twin_digest = int(other.hashes[first : first + size].sum()) & MASK
+        return result
+    assert other.sums is not None
+    listed = ", ".join(other.where(a, b) for a, b in _runs(spread.tolist())[:MAX_LISTED])
+    more = f" and {len(_runs(spread.tolist())) - MAX_LISTED} more" if len(_runs(spread.tolist())) > MAX_LISTED else ""
+    scale = _scale(other.sums[spread], sums)
+    detail = f"scaled by {scale:.4g}, rel_l2 {abs(scale - 1):.3g}" if scale else f"rel_l2 ~{distance:.3g} (from sums)"
+    reference = f"{other.item.name} {listed}{more}"
+    rel_l2 = abs(scale - 1) if scale else distance
+    result.findings.append(
+        WeightFinding(item.name, reference, item.module, other.item.module, "differs", detail, rel_l2)
+    )
+    result.twin_digest = int(other.hashes[spread].sum()) & MASK
     return result
+
+
+def _spread_distance(ours: View, theirs: View, spread: numpy.ndarray) -> float:
+    """The relative distance of a candidate view's fiber sums from the reference's at ``spread``, in order."""
+    assert ours.sums is not None and theirs.sums is not None
+    ref = theirs.sums[spread]
+    scale = float(numpy.linalg.norm(ref))
+    return float(numpy.linalg.norm(ours.sums - ref)) / scale if scale else math.inf
 
 
 def _moved(
