@@ -26,6 +26,7 @@ HEAD = WIDTH // HEADS
 DEFECTS = {
     "k_block_scaled": "rank 1 loads its k rows of layer 0's fused qkv scaled by 1.01 (a conversion bug on one shard)",
     "k_block_from_v": "rank 1 loads its k rows of layer 0's fused qkv from v's rows (a wrong block)",
+    "k_bias_scaled": "rank 1 loads its stretch of k's bias in layer 0's fused qkv bias scaled by 1.01",
 }
 
 
@@ -157,7 +158,10 @@ def build(context: RankContext) -> nn.Module:
             elif index == 0 and rank == 1 and defect == "k_block_from_v":
                 parts["k"] = parts["v"].clone()
             attention.qkv.weight.copy_(torch.cat([parts["q"], parts["k"], parts["v"]]))
-            attention.qkv.bias.copy_(torch.cat([weights[f"{prefix}.attn.{name}.bias"][rows] for name in "qkv"]))
+            biases = {name: weights[f"{prefix}.attn.{name}.bias"][rows] for name in "qkv"}
+            if index == 0 and rank == 1 and defect == "k_bias_scaled":
+                biases["k"] = biases["k"] * 1.01
+            attention.qkv.bias.copy_(torch.cat([biases["q"], biases["k"], biases["v"]]))
             attention.o.weight.copy_(weights[f"{prefix}.attn.o.weight"][:, rows])
             attention.o.bias.copy_(weights[f"{prefix}.attn.o.bias"])
             mlp.up.weight.copy_(weights[f"{prefix}.mlp.up.weight"][inner_rows])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from experiments import megatron_tiny
+from paritylab.comparison.weights import weight_ledger
 from paritylab.distributed import check_variants
 from paritylab.reports.render import headline
 from paritylab.tracing.structure import prints_from_meta
@@ -23,7 +24,12 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_a_fused_shard_loaded_wrong_on_one_rank_is_named_with_its_rank_and_block(tmp_path: Path) -> None:
-    variants = {"clean": {}, "scaled": {"defect": "k_block_scaled"}, "moved": {"defect": "k_block_from_v"}}
+    variants = {
+        "clean": {},
+        "scaled": {"defect": "k_block_scaled"},
+        "moved": {"defect": "k_block_from_v"},
+        "bias": {"defect": "k_bias_scaled"},
+    }
     x = torch.randn(2, 5, megatron_tiny.WIDTH, generator=torch.Generator().manual_seed(3))
     results = check_variants(
         megatron_tiny.reference(), "experiments.megatron_tiny:build", tmp_path, variants, world_size=2,
@@ -33,6 +39,11 @@ def test_a_fused_shard_loaded_wrong_on_one_rank_is_named_with_its_rank_and_block
     clean = results["clean"]
     assert clean.verdict == "pass", clean.summary()
     assert clean.finding is None and clean.report.alignment.weights.findings == []
+    for rank in range(2):  # every shard of every rank holds the reference's values: rows, columns, stretches of biases
+        ledger = weight_ledger(
+            prints_from_meta(clean.reference.meta), prints_from_meta(clean.candidate.rank_trace(rank).meta)
+        )
+        assert ledger.unmatched == [] and ledger.findings == [], rank
     rank1 = prints_from_meta(Trace.load(tmp_path / "ranks" / "clean" / "rank1").meta)  # its own shards, hashed
     assert [param.shape for param in rank1["blocks.0.attn.qkv"].params] == [(48, 32), (48,)]
 
@@ -55,3 +66,12 @@ def test_a_fused_shard_loaded_wrong_on_one_rank_is_named_with_its_rank_and_block
     (weight,) = moved.report.alignment.weights.differing
     assert weight.candidate == "rank 1: blocks.0.attn.qkv.weight rows 16-31"
     assert weight.detail == "they hold the reference's blocks.0.attn.v.weight rows 16-31"
+
+    bias = results["bias"]
+    assert bias.verdict == "fail"
+    assert bias.finding is not None and (bias.finding.kind, bias.finding.ranks) == ("weight", [1])
+    (weight,) = bias.report.alignment.weights.differing
+    assert weight.line() == (
+        "rank 1: blocks.0.attn.qkv.bias [16:32] differs from the reference's blocks.0.attn.k.bias [16:32]: "
+        "scaled by 1.01, rel_l2 0.01"
+    )

@@ -20,6 +20,7 @@ from paritylab.comparison.weights._records import (
     _value_key,
     held,
 )
+from paritylab.comparison.weights._stretches import _by_stretches
 from paritylab.comparison.weights._tables import EXACT, _derived, _derived_detail
 from paritylab.tracing.structure import MASK, ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import display_path
@@ -79,6 +80,12 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
                 blocks = _by_blocks(item, fibers) or _by_part(item, fibers)
             else:
                 blocks = _by_tiles(item, ours)
+                stretches = _by_stretches(item, ours) if blocks is None else None
+                if stretches is not None:  # a shard of a bias, of a fused one
+                    exact, found = stretches
+                    ledger.matched += exact
+                    ledger.findings += found
+                    continue
             derived = _derived(item, ours) if blocks is None else None
             if derived is not None:  # a rotary table built from the reference's frequencies
                 twin, function, distance, expected, row_sums = derived
