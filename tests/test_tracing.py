@@ -395,6 +395,33 @@ def test_staged_stats_span_buffers_and_snapshot_their_tensors():
         assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
 
 
+def test_a_trace_with_staged_stats_records_what_the_cpu_path_records(monkeypatch):
+    """The accelerator path inside a traced forward, on the CPU: a ReLU(inplace=True) changes its input after the
+    input was staged, and the staged copy keeps the values it was recorded with."""
+    import functools
+
+    import paritylab.tracing.tracer as tracer
+    from paritylab.tracing.stats import StatsBatch
+
+    def stats_of(model: nn.Module, x: torch.Tensor) -> list[dict[str, float | None]]:
+        with paritylab.trace(model) as trace:
+            model(x)
+        return [
+            node["stats"] for call in trace.calls for side in ("inputs", "outputs") for _, node in call.tensors(side)
+        ]
+
+    torch.manual_seed(0)
+    cases = [(InPlace(), torch.tensor([[-1.0, 2.0], [3.0, -4.0]])), (Stack(), torch.randn(5, 4))]
+    expected = [stats_of(model, x) for model, x in cases]
+    monkeypatch.setattr(tracer, "StatsBatch", functools.partial(StatsBatch, staged=True, staging_bytes=64))
+    staged = [stats_of(model, x) for model, x in cases]
+    assert [len(rows) for rows in staged] == [len(rows) for rows in expected] == [4, 11]
+    for got, want in zip(staged, expected, strict=True):
+        for row, wanted in zip(got, want, strict=True):
+            assert row == pytest.approx(wanted, rel=1e-6, abs=1e-9)
+    assert staged[0][2]["min"] == -4.0 and staged[0][3]["min"] == 0.0  # relu's input before, its output after
+
+
 class _Chain(nn.Module):
     def __init__(self) -> None:
         super().__init__()
