@@ -112,6 +112,24 @@ def hooks_references(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _:
     _hooked(model, inputs, lambda _name, tensor: kept.append(tensor))
 
 
+def hooks_noop(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
+    """The floor of any per-module hook: a forward hook on every module that looks at each output and keeps nothing."""
+    _hooked(model, inputs, lambda _name, _tensor: None)
+
+
+def hooks_stats(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
+    """Naive statistics: the same three reductions as paritylab's (sum, dot, aminmax) over every output, as floats,
+    nothing else (no call tree, no deduplication of a tensor handed on, no inputs)."""
+
+    def summarise(_name: str, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point() and tensor.numel():
+            flat = tensor.detach().reshape(-1).float()
+            low, high = torch.aminmax(flat)
+            torch.stack([flat.sum(), torch.dot(flat, flat), low, high]).tolist()
+
+    _hooked(model, inputs, summarise)
+
+
 def hooks_copies(model: torch.nn.Module, inputs: dict[str, torch.Tensor], _: Path) -> None:
     """Naive hooks: a copy of every output, kept in a list."""
     kept: list[torch.Tensor] = []
@@ -154,6 +172,8 @@ MODES: dict[str, Callable[[torch.nn.Module, dict[str, torch.Tensor], Path], None
     "stats": stats_only,
     "full": full_capture,
     "write_floor": write_floor,
+    "hooks_noop": hooks_noop,
+    "hooks_stats": hooks_stats,
     "hooks_references": hooks_references,
     "hooks_copies": hooks_copies,
     "hooks_safetensors": hooks_safetensors,
@@ -210,7 +230,16 @@ def time_modes(
         for name, values in times.items()
     }
     seconds = {name: statistics.median(values) for name, values in times.items()}
-    return {"seconds": seconds, "ratio_to_plain": ratios, "written": written}
+    against = {
+        f"{ours}/{naive}": statistics.median(a / b for a, b in zip(times[ours], times[naive], strict=True))
+        for ours, naive in AGAINST
+        if ours in times and naive in times
+    }
+    return {"seconds": seconds, "ratio_to_plain": ratios, "written": written, "against_naive": against}
+
+
+AGAINST = (("full", "hooks_safetensors"), ("stats", "hooks_stats"), ("stats", "hooks_noop"))
+"""paritylab's modes against the naive hooks doing the same work (or none), as medians of per-round ratios."""
 
 
 def _footprint(directory: Path) -> dict[str, int]:
@@ -393,6 +422,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--whole-run-rounds", type=int, default=3, help="rounds of benchmarks/whole_run.py in this run (0: skip)"
     )
+    parser.add_argument(
+        "--default-run-rounds", type=int, default=3, help="runs of the default python -m paritylab (0: skip)"
+    )
+    parser.add_argument("--only-capture", action="store_true", help="capture side by side and the default run only")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
@@ -408,12 +441,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reps": args.reps,
         "seconds": seconds,
         "ratio_to_plain": timing["ratio_to_plain"],
+        "against_naive": timing["against_naive"],
         "full_vs_hf_debugger_time": seconds["full"] / seconds["hf_debugger"],
         "written": timing["written"],
         "bytes_full_vs_hf": timing["written"]["full"]["bytes"] / max(1, timing["written"]["hf_debugger"]["bytes"]),
     }
+    if args.default_run_rounds > 0:
+        from benchmarks import whole_run
+
+        results["default_run"] = whole_run.default_phases(args.default_run_rounds)
+        results["default_run_rounds"] = args.default_run_rounds
+    if args.only_capture:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1))
+        print(render(results))
+        return results
     if not args.skip_memory:
-        measured = [name for name in names if name != "write_floor"]  # its peak is the plain forward's
+        measured = [name for name in names if name not in ("write_floor", "hooks_noop", "hooks_stats")]  # no peak
+        # of their own: the first's is the plain forward's, the others keep nothing
         peaks = {name: peak_memory(name, args.device, args.quick, args.attention) for name in measured}
         results["forward_peak_growth_mb"] = peaks
         results["extra_peak_mb"] = {name: peaks[name] - peaks["plain"] for name in measured}
@@ -443,6 +488,8 @@ LABELS = {
     "stats": "paritylab stats only",
     "full": "paritylab full capture",
     "write_floor": "forward + writing those bytes",
+    "hooks_noop": "hooks doing nothing",
+    "hooks_stats": "hooks + the same statistics",
     "hooks_references": "hooks keeping references",
     "hooks_copies": "hooks keeping copies",
     "hooks_safetensors": "hooks + one safetensors file",
@@ -467,9 +514,19 @@ def render(results: dict[str, Any]) -> str:
         target = f"  ({TARGETS[name]})" if name in TARGETS else ""
         lines.append(f"  {LABELS[name]:30} {value * 1000:6.0f} ms {ratio[name]:5.2f}x {memory:>11} {wrote:>16}{target}")
     lines.append(
+        "  against naive hooks (median of per-round ratios): "
+        + ", ".join(f"{pair.replace('/', ' / ')} {value:.2f}x" for pair, value in results["against_naive"].items())
+    )
+    lines.append(
         f"  full capture vs debugger: time {results['full_vs_hf_debugger_time']:.2f}x, "
         f"bytes {results['bytes_full_vs_hf']:.2f}x; extra peak memory target <= 64 MB"
     )
+    if "default_run" in results:
+        from benchmarks import whole_run
+
+        lines.append(whole_run.render_default(results["default_run"], results["default_run_rounds"]))
+    if "comparison" not in results:  # --only-capture
+        return "\n".join(lines)
     comparison, cli = results["comparison"], results["compare_cli"]
     lines.append(
         f"  comparison: {comparison['gigabytes']:.2f} GB in {comparison['seconds']:.2f} s = "

@@ -72,6 +72,34 @@ def measure(rounds: int = 3, quick: bool = False) -> dict[str, dict[str, float]]
     return results
 
 
+def default_phases(rounds: int = 3) -> dict[str, float]:
+    """Median seconds per phase of ``python -m paritylab`` with the default configuration (the tiny LLaVA pair,
+    the local SQLite MLflow store), over ``rounds`` runs after a warm-up run, each a fresh process in a temporary
+    directory; ``wall`` is the whole process."""
+    scratch = Path(tempfile.mkdtemp(prefix="paritylab-default-run-"))
+    measured: dict[str, list[float]] = {}
+    try:
+        for number in range(rounds + 1):
+            run_dir = scratch / f"run-{number}"
+            wall = _run([sys.executable, "-m", "paritylab", f"hydra.run.dir={run_dir}"], scratch)
+            seconds = json.loads((run_dir / "run.json").read_text())["seconds"]
+            if number:  # run 0 warms the page cache
+                for phase, value in {**seconds, "wall": wall}.items():
+                    measured.setdefault(phase, []).append(value)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {phase: statistics.median(values) for phase, values in measured.items()}
+
+
+def render_default(phases: dict[str, float], rounds: int) -> str:
+    shown = ", ".join(f"{phase} {value:.2f}" for phase, value in phases.items() if phase != "wall")
+    plan = phases.get("memory plan", 0.0)
+    return (
+        f"default run (python -m paritylab), median of {rounds}: {phases['wall']:.1f} s; seconds per phase: {shown}\n"
+        f"  memory plan {plan:.2f} s (target <= 0.5 s); the model's code imports it triggers are 'model imports'"
+    )
+
+
 def render(results: dict[str, dict[str, float]], rounds: int) -> str:
     lines = [
         f"| candidate | build + one forward each | python -m paritylab | ratio (median of {rounds}) "

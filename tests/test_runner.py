@@ -63,7 +63,7 @@ def test_default_run_end_to_end(tmp_path):
     assert metrics["summary/first_divergence_index"] == -1
     # Where the time went, phase by phase: printed, in run.json and as metrics.
     seconds = json.loads(next((tmp_path / "hydra").glob("**/run.json")).read_text())["seconds"]
-    phases = ["imports", "tracking start", "memory plan", "build reference", "trace reference", "build candidate"]
+    phases = ["imports", "tracking start", "model imports", "memory plan", "build reference", "trace reference"]
     assert list(seconds)[:6] == phases and all(value >= 0 for value in seconds.values())
     assert 0.1 < seconds["imports"] < 60  # torch, Hydra and the configuration: never the age of the process
     assert metrics["seconds/build_reference"] == pytest.approx(seconds["build reference"], abs=1e-3)

@@ -352,16 +352,14 @@ def test_round_trip_save_load(tmp_path):
 
 
 def test_device_stats_path_agrees_with_the_cpu_path():
-    """The accelerator path (stats kept on the device, fetched once per batch) run on CPU tensors."""
-    from paritylab.tracing.stats import StatsBatch, cpu_stats, device_stats, stats_dict
+    """The accelerator path (tensors staged into buffers, reduced many at once, fetched once) run on CPU tensors."""
+    from paritylab.tracing.stats import StatsBatch, cpu_stats, stats_dict
 
     torch.manual_seed(0)
     finite = torch.randn(3, 1000) * 5 + 2
-    batch = StatsBatch()
+    batch = StatsBatch(staged=True)
     tensors = [finite, torch.tensor([1.0, float("nan"), float("inf")]), finite.bfloat16(), finite.double()]
-    for tensor in tensors:  # what add() does with a tensor on an accelerator
-        batch._counts[len(batch._rows)] = tensor.numel()
-        batch._rows.append(device_stats(tensor))
+    assert [batch.add(tensor) for tensor in tensors] == [0, 1, 2, 3]
     resolved = batch.resolve()
     expected = stats_dict(cpu_stats(finite))
     assert resolved[0] == pytest.approx(expected, rel=1e-6)
@@ -369,6 +367,59 @@ def test_device_stats_path_agrees_with_the_cpu_path():
     assert resolved[1]["mean"] is None and resolved[1]["absmax"] is None
     assert resolved[2] == pytest.approx(stats_dict(cpu_stats(finite.bfloat16())), rel=1e-6)
     assert resolved[3] == pytest.approx(expected, rel=1e-6)
+    assert len(batch) == 0 and batch.resolve() == []  # resolving empties the batch
+
+
+def test_staged_stats_span_buffers_and_snapshot_their_tensors():
+    """Tensors staged across several small buffers, one too large to stage, non-contiguous and integer ones: every
+    row equals the CPU path's, in the order added, and a change in place after ``add`` does not reach the stats."""
+    from paritylab.tracing.stats import StatsBatch, cpu_stats, stats_dict
+
+    torch.manual_seed(1)
+    tensors = [
+        torch.randn(100),
+        torch.randn(40, 30).t(),  # not contiguous
+        torch.randn(5000) * 3 - 1,  # larger than a buffer: its own reduction
+        torch.arange(-50, 250).reshape(3, 100),
+        torch.randn(700).half(),
+        torch.randn(2, 3, 4, dtype=torch.float64),
+        torch.tensor(2.5),
+    ]
+    batch = StatsBatch(staged=True, staging_bytes=4096)
+    rows = [batch.add(tensor) for tensor in tensors]
+    expected = [stats_dict(cpu_stats(tensor)) for tensor in tensors]
+    tensors[0].add_(100)  # after add: the staged copy keeps the values it had
+    resolved = batch.resolve()
+    assert rows == list(range(len(tensors)))
+    for got, want in zip(resolved, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+
+
+def test_a_trace_with_staged_stats_records_what_the_cpu_path_records(monkeypatch):
+    """The accelerator path inside a traced forward, on the CPU: a ReLU(inplace=True) changes its input after the
+    input was staged, and the staged copy keeps the values it was recorded with."""
+    import functools
+
+    import paritylab.tracing.tracer as tracer
+    from paritylab.tracing.stats import StatsBatch
+
+    def stats_of(model: nn.Module, x: torch.Tensor) -> list[dict[str, float | None]]:
+        with paritylab.trace(model) as trace:
+            model(x)
+        return [
+            node["stats"] for call in trace.calls for side in ("inputs", "outputs") for _, node in call.tensors(side)
+        ]
+
+    torch.manual_seed(0)
+    cases = [(InPlace(), torch.tensor([[-1.0, 2.0], [3.0, -4.0]])), (Stack(), torch.randn(5, 4))]
+    expected = [stats_of(model, x) for model, x in cases]
+    monkeypatch.setattr(tracer, "StatsBatch", functools.partial(StatsBatch, staged=True, staging_bytes=64))
+    staged = [stats_of(model, x) for model, x in cases]
+    assert [len(rows) for rows in staged] == [len(rows) for rows in expected] == [4, 11]
+    for got, want in zip(staged, expected, strict=True):
+        for row, wanted in zip(got, want, strict=True):
+            assert row == pytest.approx(wanted, rel=1e-6, abs=1e-9)
+    assert staged[0][2]["min"] == -4.0 and staged[0][3]["min"] == 0.0  # relu's input before, its output after
 
 
 class _Chain(nn.Module):

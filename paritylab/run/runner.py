@@ -41,6 +41,7 @@ from paritylab.run.budget import (
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
 from paritylab.run.config import ConfigError, check_targets, check_writable, one_line, unmatched_patterns
 from paritylab.run.identity import run_name, run_tags
+from paritylab.run.import_time import counting_imports
 from paritylab.run.inputs import build_inputs
 from paritylab.run.lifting import lift
 from paritylab.run.parity import (
@@ -143,10 +144,13 @@ class _Session:
             self.timings.update(start_up_phases())
         self._clock = time.perf_counter()
 
-    def _mark(self, phase: str) -> None:
-        """The time since the previous mark belongs to ``phase``."""
+    def _mark(self, phase: str, imported: float = 0.0) -> None:
+        """The time since the previous mark belongs to ``phase``, less ``imported`` seconds of importing the
+        model's code (:mod:`paritylab.run.import_time`), which go to ``model imports``."""
         now = time.perf_counter()
-        self.timings[phase] = self.timings.get(phase, 0.0) + now - self._clock
+        if imported:
+            self.timings["model imports"] = self.timings.get("model imports", 0.0) + imported
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self._clock - imported
         self._clock = now
 
     def execute(self) -> RunResult:
@@ -244,14 +248,16 @@ class _Session:
     def _phases(self) -> ParityResult:
         cfg = self.cfg
         self.echo(f"paritylab: {cfg.model.name} vs {cfg.candidate.name} on {self.device} -> {self.directory}")
-        self.memory = self._plan_memory()
-        self._mark("memory plan")
+        with counting_imports() as imported:  # the model's code, imported by whichever builds it first
+            self.memory = self._plan_memory()
+        self._mark("memory plan", imported.seconds)
         torch.manual_seed(int(cfg.seed))
-        reference = self._build_reference()
-        inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
+        with counting_imports() as imported:
+            reference = self._build_reference()
+            inputs = build_inputs(cfg.inputs, cfg.model.family, reference, cfg.model.build.get("pretrained"))
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
         ref_run = self._bind("model", reference, inputs)
-        self._mark("build reference")
+        self._mark("build reference", imported.seconds)
         ref_trace = self._trace("reference", reference, ref_run)
         self._check_output("model", ref_trace)
         for note in unmatched_patterns(cfg.compare.modules, (call.path for call in ref_trace.calls)):
