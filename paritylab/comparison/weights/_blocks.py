@@ -4,7 +4,7 @@ of a bias) no reference fiber matches, compared with the reference block it stan
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy
@@ -134,11 +134,14 @@ def _analysed(
     differing: dict[tuple[int, int], tuple[View, WeightFinding]] = {}
     for start, stop in _runs([position for position, found in enumerate(held_rows) if not found]):
         size = stop - start
-        options = list(_blocks_of(candidates, used, size))
-        scored = sorted(
-            ((_fibers_distance(view, start, stop, other, first), other, first) for other, first in options),
-            key=lambda entry: entry[0],
-        )
+        gaps, aligned = _blocks_of(candidates, used, size)
+        for options in (gaps, gaps + aligned):  # a gap the candidate's own fibers leave first
+            scored = sorted(
+                ((_fibers_distance(view, start, stop, other, first), other, first) for other, first in options),
+                key=lambda entry: entry[0],
+            )
+            if scored and scored[0][0] < NEAR and (len(scored) == 1 or scored[0][0] <= UNIQUE * scored[1][0]):
+                break
         where = f"{item.name} {view.where(start, stop)}"
         if scored and scored[0][0] < NEAR and (len(scored) == 1 or scored[0][0] <= UNIQUE * scored[1][0]):
             distance, other, first = scored[0]
@@ -371,20 +374,26 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 
 def _blocks_of(
     candidates: list[View], used: Mapping[tuple[int, int], set[int]], size: int
-) -> Iterable[tuple[View, int]]:
-    """Reference blocks of ``size`` fibers a run of candidate fibers may stand for: a whole view (as many fibers) or a
-    block aligned to ``size`` of one none of whose fibers the candidate holds, or a gap of exactly that many in a view
-    it holds the rest of."""
+) -> tuple[list[tuple[View, int]], list[tuple[View, int]]]:
+    """Reference blocks of ``size`` fibers a run of candidate fibers may stand for: a gap of exactly that many in a
+    view the candidate holds the rest of, or a whole view (as many fibers) none of whose fibers it holds; where there
+    is neither, a block aligned to ``size`` of a view none of whose fibers it holds (a shard's rows of a part).
+    Returns the gaps and whole views first, the aligned blocks apart (tried only where no gap is near)."""
+    gaps: list[tuple[View, int]] = []
+    aligned: list[tuple[View, int]] = []
     for other in candidates:
         count = len(other.hashes)
         taken = used.get(_key(other), set())
         if not taken:
-            if count == size or count % size == 0:  # the whole view, or a block aligned to its size (a shard's)
-                yield from ((other, first) for first in range(0, count, size))
+            if count == size:
+                gaps.append((other, 0))
+            elif count % size == 0:
+                aligned += [(other, first) for first in range(0, count, size)]
             continue
         for first, last in _runs([fiber for fiber in range(count) if fiber not in taken]):
             if last - first == size:
-                yield other, first
+                gaps.append((other, first))
+    return gaps, aligned
 
 
 def _key(view: View) -> tuple[int, int]:
