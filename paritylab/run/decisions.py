@@ -25,9 +25,9 @@ from paritylab.comparison.drilldown import Recording, record_call, split_key
 from paritylab.comparison.judgement import Report, Row
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.replay import teacher_forcing
-from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side, mapped_call
+from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
+from paritylab.run.parity import private_call
 from paritylab.tracing.tracefile import Trace
-from paritylab.tracing.values import map_tensors
 
 Call = Callable[[nn.Module], Any]
 Rejudge = Callable[[Call], tuple[Report, Trace, LiftedReplay | None]]
@@ -66,13 +66,9 @@ def planned(call: Call, plan: Plan) -> Call:
     return run
 
 
-def _private(call: Call) -> Call:
-    return mapped_call(call, lambda value: map_tensors(value, lambda tensor, _: tensor.detach().clone()))
-
-
 def _probes(report: Report, done: set[str]) -> list[Row]:
-    """Failing compared rows where divergence may start inside a decision: the origins (and the replay's) and the
-    compared rows around them, innermost first."""
+    """Compared rows where divergence may start inside a decision: the origins (the free run's and the replay's)
+    and the compared rows around them, innermost first, none already opened (``done``)."""
     by_index = {row.index: row for row in report.rows}
     seeds = [row for row in (report.first_divergence, *report.origins, *report.replay_origins) if row is not None]
     chosen: dict[int, Row] = {}
@@ -195,6 +191,8 @@ def _choices(conditions: list[_Condition], ordinals: set[int]) -> dict[int, dict
 
 @dataclass(frozen=True)
 class Sides:
+    """The two models and the calls that run them (the candidate's with the decisions planned so far forced)."""
+
     reference: nn.Module
     reference_call: Call
     candidate: nn.Module
@@ -214,10 +212,10 @@ def _conditions(
     dtype = row.candidate.dtype or "float32"
     conditions: list[_Condition] = []
     try:
-        theirs = record_call(sides.reference, *theirs_key, _private(sides.reference_call))
-        free = record_call(sides.candidate, *key, _private(sides.candidate_call))
+        theirs = record_call(sides.reference, *theirs_key, private_call(sides.reference_call))
+        free = record_call(sides.candidate, *key, private_call(sides.candidate_call))
         with teacher_forcing(sides.candidate, sides.reference_trace, candidate_trace, report.alignment):
-            fed = record_call(sides.candidate, *key, _private(sides.candidate_call))
+            fed = record_call(sides.candidate, *key, private_call(sides.candidate_call))
         conditions += [_Condition(theirs, free, dtype), _Condition(theirs, fed, dtype)]
     except Exception:  # the user's forward
         return []
@@ -230,9 +228,9 @@ def _conditions(
             candidate, candidate_call = lifted_candidate_side(
                 sides.candidate, sides.candidate_call, low, made, copies, candidate_trace.uncalled
             )
-            theirs = record_call(reference, *theirs_key, _private(reference_call))
+            theirs = record_call(reference, *theirs_key, private_call(reference_call))
             with teacher_forcing(candidate, lifted.reference, candidate_trace, report.alignment):
-                ours = record_call(candidate, *key, _private(candidate_call))
+                ours = record_call(candidate, *key, private_call(candidate_call))
             conditions.append(_Condition(theirs, ours, "float32"))
         except Exception:
             pass
