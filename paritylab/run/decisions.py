@@ -238,20 +238,22 @@ class Sides:
 def _conditions(
     row: Row, sides: Sides, candidate_trace: Trace, report: Report, lifted: LiftedReplay | None
 ) -> list[_Condition]:
-    """The reference's call of ``row`` recorded as it ran, against the candidate's as it ran freely and as the
-    isolated replay runs it (fed the reference's values); and, where the lifted replay judged the row, both sides'
-    lifted copies (the candidate fed the lifted reference's values). A condition whose forward raised, or whose
-    module was not called, is left out: the verdict stands without its evidence."""
+    """The reference's call of ``row`` recorded as it ran, against the candidate's as it ran freely (when its input
+    agrees) and as the isolated replay runs it (fed the reference's values); and, where the lifted replay judged the
+    row, both sides' lifted copies (the candidate fed the lifted reference's values). A condition whose forward
+    raised, or whose module was not called, is left out: the verdict stands without its evidence."""
     assert row.candidate is not None
     key, theirs_key = split_key(row.candidate.key), split_key(row.reference.key)
     dtype = row.candidate.dtype or "float32"
     conditions: list[_Condition] = []
     try:
         theirs = record_call(sides.reference, *theirs_key, private_call(sides.reference_call))
-        free = record_call(sides.candidate, *key, private_call(sides.candidate_call))
+        if not row.input_diverged:  # fed another input, its choices differ for that input's sake
+            free = record_call(sides.candidate, *key, private_call(sides.candidate_call))
+            conditions.append(_Condition(theirs, free, dtype))
         with teacher_forcing(sides.candidate, sides.reference_trace, candidate_trace, report.alignment):
             fed = record_call(sides.candidate, *key, private_call(sides.candidate_call))
-        conditions += [_Condition(theirs, free, dtype), _Condition(theirs, fed, dtype)]
+        conditions.append(_Condition(theirs, fed, dtype))
     except Exception:  # the user's forward
         return []
     if lifted is not None and "lifted_rel_l2" in row.local:
