@@ -445,51 +445,6 @@ class _Capture(TorchFunctionMode):
         return result
 
 
-class _Census(TorchFunctionMode):
-    """The innermost module running each primary decision."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.paths = {id(module): path for path, module in model.named_modules()}
-        self.stack = [""]
-        self.sites: set[str] = set()
-
-    def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.stack.append(self.paths.get(id(module), self.stack[-1]))
-
-    def left(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if len(self.stack) > 1:
-            self.stack.pop()
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        result = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if name in SELECTIONS or name in COMPARISONS:
-            outputs = list(_flat_tensors(result))
-            if outputs and is_decision(name, list(_flat_tensors((args, kwargs))), outputs) is not None:
-                self.sites.add(self.stack[-1])
-        return result
-
-
-def decision_sites(model: nn.Module, call: Callable[[nn.Module], Any]) -> set[str]:
-    """The paths of the modules (innermost) in which ``call(model)`` takes primary decisions: one forward, no
-    value kept, so a run without any decision opens nothing."""
-    census = _Census(model)
-    handles = []
-    for module in model.modules():
-        handles += [module.register_forward_pre_hook(census.entered), module.register_forward_hook(census.left)]
-    try:
-        with torch.no_grad(), census:
-            call(model)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return census.sites
-
-
 def captured(model: nn.Module, call: Callable[[nn.Module], Any]) -> list[torch.Tensor]:
     """The choices of every primary decision ``call(model)`` takes, in call order."""
     capture = _Capture()

@@ -20,14 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.comparison.decisions import (
-    Differing,
-    Plan,
-    compare_decisions,
-    decision_sites,
-    forced_decisions,
-    pair_decisions,
-)
+from paritylab.comparison.decisions import Differing, Plan, compare_decisions, forced_decisions, pair_decisions
 from paritylab.comparison.drilldown import Recording, record_call, split_key
 from paritylab.comparison.judgement import Report, Row
 from paritylab.comparison.lifted import LiftedReplay
@@ -43,8 +36,8 @@ candidate's trace and the lifted replay."""
 
 ROUNDS = 3
 """Re-judgements at most: each may uncover another module whose decisions flip (a later layer, fed alike now)."""
-PROBES = 4
-"""Modules opened outwards from a decision at most (a router, its MoE block, its layer, the model)."""
+PROBES = 6
+"""Modules opened per round: the origins and the compared modules around them, innermost first."""
 
 
 @dataclass
@@ -73,27 +66,19 @@ def planned(call: Call, plan: Plan) -> Call:
     return run
 
 
-def _probes(report: Report, done: set[str], sites: set[str]) -> list[list[Row]]:
-    """The compared rows to open: for each reference module taking decisions (``sites``), the compared rows holding
-    it among the origins (the free run's and the replay's) and the rows around them, innermost first; none already
-    opened (``done``)."""
+def _probes(report: Report, done: set[str]) -> list[Row]:
+    """Compared rows where divergence may start inside a decision: the origins (the free run's and the replay's)
+    and the compared rows around them, innermost first, none already opened (``done``)."""
     by_index = {row.index: row for row in report.rows}
     seeds = [row for row in (report.first_divergence, *report.origins, *report.replay_origins) if row is not None]
-    around: dict[int, Row] = {}
+    chosen: dict[int, Row] = {}
     for seed in seeds:
         row: Row | None = seed
         while row is not None:
             if row.status == "compared" and row.candidate is not None and row.candidate.key not in done:
-                around.setdefault(row.index, row)
+                chosen.setdefault(row.index, row)
             row = by_index.get(row.parent) if row.parent is not None else None
-    chains: dict[int, list[Row]] = {}
-    for site in sites:
-        holding = sorted(
-            (row for row in around.values() if _inside(site, {row.path})), key=lambda r: (-r.depth, -len(r.path))
-        )
-        if holding:
-            chains.setdefault(holding[0].index, holding[:PROBES])
-    return [chains[index] for index in sorted(chains, key=lambda i: (-chains[i][0].depth, i))]
+    return sorted(chosen.values(), key=lambda r: (-r.depth, r.index))[:PROBES]
 
 
 def _merge(found: list[Differing]) -> list[Differing]:
@@ -140,23 +125,33 @@ def judge_decisions(
     opened: set[str] = set()
     """Candidate modules whose decisions differed."""
     current, current_trace = report, candidate_trace
-    sites = decision_sites(reference, private_call(reference_call))
-    if not sites:
-        return decided
     for _ in range(ROUNDS):
         added = False
-        for chain in _probes(current, done, sites):
-            for row in chain:  # innermost first, outwards until one holds the decisions on both sides
-                assert row.candidate is not None  # _probes keeps compared rows
-                if row.candidate.key in done:
-                    break
-                done.add(row.candidate.key)
-                sides = Sides(reference, reference_call, candidate, planned(candidate_call, plan), reference_trace)
-                conditions = _conditions(row, sides, current_trace, current, lifted)
-                if not any(pair_decisions(c.reference, c.candidate) for c in conditions):
-                    continue
-                added = _judge_row(row, conditions, plan, opened, rule_notes, decided) or added
-                break
+        for row in _probes(current, done):
+            assert row.candidate is not None  # _probes keeps compared rows
+            done.add(row.candidate.key)
+            sides = Sides(reference, reference_call, candidate, planned(candidate_call, plan), reference_trace)
+            conditions = _conditions(row, sides, current_trace, current, lifted)
+            path = split_key(row.candidate.key)[0]
+            differing = [  # a decision inside a module already opened is that module's (a layer holds its router)
+                item
+                for item in _merge(
+                    [d for c in conditions for d in compare_decisions(c.reference, c.candidate, c.dtype)]
+                )
+                if not _inside(_joined(path, item.module), opened)
+            ]
+            if not differing:
+                continue
+            opened.add(path)
+            decided.found += [
+                d.to_dict() | {"module": _joined(row.path, d.reference_module), "call": row.candidate.key}
+                for d in differing
+            ]
+            if not all(item.near_tie for item in differing):
+                rule_notes[row.reference.key] = "; ".join(item.describe() for item in differing)
+                continue
+            plan[row.candidate.key] = _choices(conditions, {item.candidate_ordinal for item in differing})
+            added = True
         if not added:
             break
         current, current_trace, lifted = rejudge(planned(candidate_call, plan))
@@ -168,36 +163,6 @@ def judge_decisions(
     decided.lifted = lifted
     _annotate(decided.report, decided.found, rule_notes, set(plan))
     return decided
-
-
-def _judge_row(
-    row: Row,
-    conditions: list[_Condition],
-    plan: dict[str, dict[int, dict[str, torch.Tensor]]],
-    opened: set[str],
-    rule_notes: dict[str, str],
-    decided: Decided,
-) -> bool:
-    """Read one opened row's differing decisions: near ties join ``plan`` (returns whether any did), others are a
-    rule that differs (``rule_notes``); both are said in ``decided.found``."""
-    assert row.candidate is not None
-    path = split_key(row.candidate.key)[0]
-    differing = [  # a decision inside a module already opened is that module's (a layer holds its router)
-        item
-        for item in _merge([d for c in conditions for d in compare_decisions(c.reference, c.candidate, c.dtype)])
-        if not _inside(_joined(path, item.module), opened)
-    ]
-    if not differing:
-        return False
-    opened.add(path)
-    decided.found += [
-        d.to_dict() | {"module": _joined(row.path, d.reference_module), "call": row.candidate.key} for d in differing
-    ]
-    if not all(item.near_tie for item in differing):
-        rule_notes[row.reference.key] = "; ".join(item.describe() for item in differing)
-        return False
-    plan[row.candidate.key] = _choices(conditions, {item.candidate_ordinal for item in differing})
-    return True
 
 
 def _joined(path: str, inner: str) -> str:
