@@ -88,7 +88,7 @@ def esm_available() -> str | None:
 
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
-    if name in ("llava", "clip-text"):  # our port; torch's own nn.TransformerEncoder
+    if name in ("llava", "clip-text", "mixtral"):  # our ports; torch's own nn.TransformerEncoder
         return None
     checks = {
         "vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available,
@@ -794,6 +794,36 @@ def esm_fair(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     return PairCase("esm/fair-esm", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
+def mixtral_moe(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers MixtralForCausalLM, whose experts are one 3-D parameter per projection (``gate_up_proj``,
+    ``down_proj``) run by one module, against our per-expert port (``tests/moe_port.py``): one module per expert,
+    the top-k taken on the router's logits (transformers' on its float32 probabilities), the weights converted by
+    cutting each expert's rows out of the fused parameters. The two sides' routing decisions are discrete: a token
+    whose second and third router logits nearly tie may pick another expert at low precision."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.moe_port import LAYER, MODULES, from_mixtral
+
+    config = MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        rms_norm_eps=1e-6, sliding_window=None, router_jitter_noise=0.0,
+    )  # fmt: skip
+    config._experts_implementation = "eager"
+    reference = _seeded_reference(MixtralForCausalLM, config)
+    candidate = from_mixtral(reference).to(dtype)
+    ids = _ids(256)
+    sites = {ours: (theirs,) for ours, theirs in MODULES.items()}
+    for i in range(layers):
+        theirs = f"model.layers.{i}"
+        sites |= {f"layers.{i}.{ours}": (f"{theirs}.{source}",) for ours, source in LAYER.items()}
+        sites |= {
+            f"layers.{i}.attention": (f"{theirs}.self_attn",),
+            f"layers.{i}.feed_forward": (f"{theirs}.mlp",),
+        }
+    return PairCase("mixtral/per-expert", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
+
+
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
     folded norms or centred weights: the same computation as the original)."""
@@ -834,6 +864,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "clip-text": clip_text_mha,
     "x-transformers": xtransformers_llama,
     "esm": esm_fair,
+    "mixtral": mixtral_moe,
 }
 KINDS = ("scale", "offset", "noise")
 

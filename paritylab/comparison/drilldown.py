@@ -297,6 +297,8 @@ class _Recorder(TorchFunctionMode):
         if self.busy:
             return result
         outputs = list(_tensors(result))
+        if not outputs and _name(func) == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+            outputs = [("", args[0])]  # ``t[i] = v`` (``t[i] += v``) changes ``t`` in place and returns nothing
         if not outputs or len(self.recording.ops) >= MAX_OPS:
             if outputs and self.recording.truncated is None:
                 self.recording.truncated = f"{self.recording.key}: more than {MAX_OPS} operations; the rest unrecorded"
@@ -868,9 +870,11 @@ def _describe(
         text += f"{len(operations)} operations ({shown}) differ from the reference's result by {off}"
     if not counterparts:
         return text + "; the reference has no operation on the same inputs"
+    if all(op.name != first.name for op in counterparts):  # not one operation done otherwise: another way
+        return text + f"; the two sides compute this differently (on the same inputs the reference computes {theirs})"
     text += f"; the reference computes {theirs}"
-    ours = [item for op in operations for item in op.scalars]
-    reference = [item for op in counterparts for item in op.scalars]
+    ours = [item for op in operations for item in op.scalars if item != "None"]  # an absent bias, said or not
+    reference = [item for op in counterparts for item in op.scalars if item != "None"]
     comparable = [op.name for op in operations] == [op.name for op in counterparts]  # step for step, else not
     if ours != reference and comparable:  # (q and k scaled by d**-0.25 each against q by d**-0.5: not comparable)
         text += f" (constants: {', '.join(ours) or 'none'} vs the reference's {', '.join(reference) or 'none'})"

@@ -174,6 +174,10 @@ class Report:
     """Decode-step parity (``Generation.to_dict()``: its summary and every step), when it ran."""
     drilldown: dict[str, Any] | None = None
     """Inside :attr:`first_divergence`, the first operation that differs (``Drilldown.to_dict()``)."""
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    """Discrete decisions (a router's top-k) whose choices differed between the two sides, inside the modules where
+    divergence started (``Differing.to_dict()``, :mod:`paritylab.run.decisions`): near ties were fed the reference's
+    choices and the run judged again."""
     whole_graph: dict[str, Any] | None = None
     """A compiled candidate run once more untraced, as one graph (``paritylab.run.whole_graph``): ``verdict``
     (``pass``, ``fail``, ``unchecked``), its output's error against the reference and its traced run, ``message``."""
@@ -368,6 +372,7 @@ class Report:
             "summary": self.summary(),
             "rows": [row.to_json() for row in self.rows],
             "drilldown": self.drilldown,
+            "decisions": self.decisions,
             "whole_graph": self.whole_graph,
             "unmatched_candidate": self.alignment.unmatched_candidate,
             "weights": self.alignment.weights.to_json(),

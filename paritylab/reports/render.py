@@ -57,6 +57,8 @@ def headline(report: Report) -> str:
         side, names = next(iter(buffers.items()))
         other = "candidate" if side == "reference" else "reference"
         said.append(f"the {side} changed buffers {', '.join(names[:3])} in place during its forward, the {other} none")
+    for found in report.decisions:  # a choice made otherwise on a near tie (teacher-forced), or by another rule
+        said.append(f"at {display_path(str(found['module']))}: {printable(str(found['message']))}")
     changed = "; ".join(said)
     line = _verdict_line(report)
     return f"{line}; {changed}" if changed and not report.errors else line

@@ -11,6 +11,7 @@ same functions, so the numbers a script gets are the numbers a configured run ge
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -100,10 +101,18 @@ def estimate_floors(
     run's floor is estimated here, and the local floors come from that candidate's own isolated replay
     (:func:`local_floors`), which is the same computation.
     """
-    runner = cast_inputs or (lambda dtype: cast_call(call, dtype))
-    exact = exact_side(reference, runner, reference_trace, directory)
+    from paritylab.comparison.decisions import captured, everywhere
+
+    cast = cast_inputs or (lambda dtype: cast_call(call, dtype))
+    exact = exact_side(reference, cast, reference_trace, directory)
     if low_trace is not None:
         return Floors(dtype, free_run_floor(exact, low_trace), from_candidate=True)
+    # The low-precision copy takes the float32 reference's discrete decisions (a router's top-k): a near tie its
+    # rounding flips would make the floor of that module, and of all after it, a flip's size, which hides bugs.
+    choices = captured(reference, private_call(call)) if low_precision(reference) is None else []
+
+    def runner(dtype: torch.dtype) -> Call:
+        return everywhere(cast(dtype), choices)
 
     def measure(model: nn.Module, call: Call) -> Floors:
         low = trace_model(model, call, directory / "noise-low", capture=None)
@@ -480,7 +489,9 @@ def check(
     to the reference's). With a bfloat16/float16 side and ``noise_floor`` ``auto`` (or ``on``), each module
     is judged against the reference's own error at that precision; a bfloat16/float16 candidate of a wider
     reference is also replayed lifted (:func:`lift`: its code in float32 with its own weights), so errors under
-    the precision's rounding are found too. A ``torch.compile`` candidate is also run
+    the precision's rounding are found too. A failure that starts where discrete decisions (a router's top-k)
+    flipped on near ties is judged again with the reference's decisions fed to the candidate
+    (:func:`~paritylab.run.decisions.judge_decisions`). A ``torch.compile`` candidate is also run
     once untraced, as one graph (:mod:`paritylab.run.whole_graph`; ``whole_graph=False`` skips it, and the
     result is then inconclusive at best). When parity fails, the module where divergence starts is opened
     (:func:`drill_into_origin`, as the command line does; ``drilldown=False`` skips it). The findings are printed
@@ -513,6 +524,19 @@ def check(
             tolerances=tolerances, floors=floors, lifted=lifted, reference=reference, reference_call=reference_call,
             noise_floor=noise_floor,
         )  # fmt: skip
+    if replay and not report.passed and not report.errors and free_run.alignment.pairs:
+        from paritylab.run.decisions import judge_decisions
+
+        rejudge = rejudging(
+            reference, reference_call, candidate, reference_trace, directory, floors=floors, rules=rules,
+            tolerances=tolerances, noise_multiple=noise_multiple, noise_floor=noise_floor,
+        )  # fmt: skip
+        decided = judge_decisions(
+            report, reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, rejudge,
+            lifted,
+        )  # fmt: skip
+        report, candidate_call, candidate_trace = decided.report, decided.candidate_call, decided.candidate_trace
+        lifted = decided.lifted
     report = judge_whole_graph(report, candidate, candidate_call, reference_trace, candidate_trace, whole_graph)
     if drilldown:
         report = drill_into_origin(
@@ -595,9 +619,12 @@ def compare_and_replay(
     noise_multiple: float = 4.0,
     reference: nn.Module | None = None,
     reference_call: Call | None = None,
+    decisions: bool = True,
 ) -> Report:
     """:func:`compare`, then (given the candidate model) :func:`judge_with_replay`: the final report. Given the
-    reference model and its call too, a low-precision candidate is also judged by :func:`lift`."""
+    reference model and its call too, a low-precision candidate is also judged by :func:`lift`, and a failure that
+    starts in a module whose discrete decisions flipped on near ties is judged again with the reference's decisions
+    (:func:`~paritylab.run.decisions.judge_decisions`; ``decisions=False`` skips it)."""
     report, floors = compare_against_floors(
         reference_trace, candidate_trace, floors, reference=reference, reference_call=reference_call,
         candidate=candidate, directory=directory, rules=rules, tolerances=tolerances, noise_multiple=noise_multiple,
@@ -610,7 +637,59 @@ def compare_and_replay(
             reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace,
             report.alignment, directory,
         )  # fmt: skip
-    return judge_with_replay(
+    judged, floors = judge_with_replay(
         report, candidate, candidate_call, reference_trace, candidate_trace, directory,
         tolerances=tolerances, floors=floors, lifted=lifted, reference=reference, reference_call=reference_call,
-    )[0]  # fmt: skip
+    )  # fmt: skip
+    if not decisions or judged.passed or reference is None or reference_call is None:
+        return judged
+    from paritylab.run.decisions import judge_decisions
+
+    rejudge = rejudging(
+        reference, reference_call, candidate, reference_trace, directory, floors=floors, rules=rules,
+        tolerances=tolerances, noise_multiple=noise_multiple,
+    )  # fmt: skip
+    return judge_decisions(
+        judged, reference, reference_call, candidate, candidate_call, reference_trace, candidate_trace, rejudge, lifted
+    ).report
+
+
+def rejudging(
+    reference: nn.Module,
+    reference_call: Call,
+    candidate: nn.Module,
+    reference_trace: Trace,
+    directory: Path,
+    *,
+    floors: Floors | None,
+    rules: Iterable[Rule] = (),
+    tolerances: Tolerances | None = None,
+    noise_multiple: float = 4.0,
+    noise_floor: str = "auto",
+    pinned: bool = False,
+) -> Callable[[Call], tuple[Report, Trace, LiftedReplay | None]]:
+    """The check's phases for another candidate call (the same reference side and floors): trace it, compare, lift
+    and replay, each time in a directory of its own under ``directory`` (``decisions-<n>``). Returns the judged
+    report, the candidate's trace and the lifted replay."""
+    rounds = itertools.count()
+
+    def rejudge(call: Call) -> tuple[Report, Trace, LiftedReplay | None]:
+        where = directory / f"decisions-{next(rounds)}"
+        shutil.rmtree(where, ignore_errors=True)
+        trace = trace_model(candidate, call, where / "candidate")
+        match_weight_grids(reference, candidate, reference_trace, trace)
+        free_run, used = compare_against_floors(
+            reference_trace, trace, floors, reference=reference, reference_call=reference_call, candidate=candidate,
+            directory=where, noise_floor=noise_floor, rules=rules, tolerances=tolerances,
+            noise_multiple=noise_multiple, pinned=pinned,
+        )  # fmt: skip
+        if free_run.errors or not free_run.alignment.pairs:
+            return free_run, trace, None
+        lifted = lift(reference, reference_call, candidate, call, reference_trace, trace, free_run.alignment, where)
+        judged, _ = judge_with_replay(
+            free_run, candidate, call, reference_trace, trace, where, tolerances=tolerances, floors=used,
+            lifted=lifted, reference=reference, reference_call=reference_call, noise_floor=noise_floor,
+        )  # fmt: skip
+        return judged, trace, lifted
+
+    return rejudge

@@ -57,6 +57,7 @@ from paritylab.run.parity import (
     judge_with_replay,
     low_precision,
     match_weight_grids,
+    rejudging,
 )
 from paritylab.run.resident import available_memory, model_bytes, offload, release_freed_memory
 from paritylab.run.workload import CallSpec, check_output, infer_call, output_choice
@@ -326,6 +327,11 @@ class _Session:
             )  # fmt: skip
             self._keep(report)
             self._mark("replay")
+            if not report.passed and not report.errors:
+                report, cand_run, cand_trace, lifted = self._decisions(
+                    report, reference, ref_run, candidate.model, cand_run, ref_trace, cand_trace, floors, lifted,
+                    rules, tolerances, frozen is not None,
+                )  # fmt: skip
         if is_compiled(candidate.model) and not report.errors:
             if cfg.compare.whole_graph:
                 self.echo("paritylab: the compiled candidate as one graph (untraced)")
@@ -565,6 +571,43 @@ class _Session:
         if chosen != [None, None] and reference.calls and root is not None:  # "the output", as each side's call says
             extra = [Rule(reference.calls[0].path, root, chosen[0], chosen[1]), *extra]
         return extra + own
+
+    def _decisions(
+        self,
+        report: Report,
+        reference: nn.Module,
+        ref_run: Callable[[nn.Module], Any],
+        candidate: nn.Module,
+        cand_run: Callable[[nn.Module], Any],
+        ref_trace: Trace,
+        cand_trace: Trace,
+        floors: Floors | None,
+        lifted: LiftedReplay | None,
+        rules: list[Rule],
+        tolerances: Tolerances,
+        pinned: bool,
+    ) -> tuple[Report, Callable[[nn.Module], Any], Trace, LiftedReplay | None]:
+        """``report`` judged again with the reference's discrete decisions where near ties flipped them
+        (:func:`~paritylab.run.decisions.judge_decisions`), and the candidate's call and trace it was judged with."""
+        from paritylab.run.decisions import judge_decisions
+
+        cfg = self.cfg
+        rejudge = rejudging(
+            reference, ref_run, candidate.to(self.device), ref_trace, self.directory, floors=floors, rules=rules,
+            tolerances=tolerances, noise_multiple=float(cfg.compare.noise_multiple),
+            noise_floor=str(cfg.compare.noise_floor), pinned=pinned,
+        )  # fmt: skip
+        decided = judge_decisions(
+            report, reference, ref_run, candidate.to(self.device), cand_run, ref_trace, cand_trace, rejudge, lifted
+        )
+        if decided.plan:
+            self.echo("paritylab: discrete decisions flipped on near ties: judged again with the reference's")
+            self.notes.append(
+                "decisions: judged with the reference's discrete decisions fed to the candidate in "
+                + ", ".join(sorted(decided.plan))
+            )
+            self._mark("decisions")
+        return self._keep(decided.report), decided.candidate_call, decided.candidate_trace, decided.lifted
 
     def _drill_down(
         self,
