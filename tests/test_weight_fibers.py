@@ -184,6 +184,13 @@ def test_per_expert_linears_hold_a_fused_moes_blocks_and_a_wrong_one_names_its_e
     assert finding.line() == (
         "experts.2.up.weight differs from the reference's gate_up_proj [2, 16:32, :]: scaled by 1.01, rel_l2 0.01"
     )
+    with torch.no_grad():
+        split.experts[2].up.weight.div_(1.01)
+        split.experts[1].down.weight.mul_(1.01)  # its rows and its columns are both fibers of down_proj: one block
+    (finding,) = ledger_of(fused, split).differing
+    assert finding.line() == (
+        "experts.1.down.weight differs from the reference's down_proj [1, :, :]: scaled by 1.01, rel_l2 0.01"
+    )
 
 
 def test_a_fused_moe_against_per_expert_linears_names_the_expert_block_that_differs():

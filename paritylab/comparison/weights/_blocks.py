@@ -227,9 +227,14 @@ def _by_part(item: Held, fibers: Fibers) -> _Blocks | None:
                 gaps = numpy.array(free)  # against q rows interleaved with k's and v's head by head (GPT-NeoX)
                 scored.append((_spread_distance(view, other, gaps), view, other, 0, gaps))
     scored.sort(key=lambda entry: entry[0])
-    if not scored or scored[0][0] >= NEAR or (len(scored) > 1 and scored[0][0] > UNIQUE * scored[1][0]):
+    if not scored or scored[0][0] >= NEAR:
         return None
     distance, view, other, first, spread = scored[0]
+    rivals = [  # the same reference tensor seen along another axis holds the same elements: no rival
+        entry[0] for entry in scored[1:] if entry[2].item is not other.item or entry[2].axis == other.axis
+    ]
+    if rivals and distance > UNIQUE * rivals[0]:
+        return None
     size = len(view.hashes)
     result = _Blocks()
     sums = view.sums_at(0, size)
