@@ -409,6 +409,40 @@ def _anonymous_kb(pid: int) -> int:
         return 0  # the process just ended
 
 
+def profile_mode(
+    name: str, model: torch.nn.Module, inputs: dict[str, torch.Tensor], device: str, rounds: int = 5
+) -> str:
+    """Where one mode's time goes over ``rounds`` forwards: the Python functions by their own time (cProfile), and
+    the operators the device ran, by count and time (torch.profiler), for the next round of optimisation."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    scratch = Path(tempfile.mkdtemp(prefix="paritylab-profile-"))
+    try:
+        _mode(name)(model, inputs, scratch / "warm")
+        profiler = cProfile.Profile()
+        _sync(device)
+        profiler.enable()
+        for index in range(rounds):
+            _mode(name)(model, inputs, scratch / f"p{index}")
+        _sync(device)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=activities) as operators:
+            _mode(name)(model, inputs, scratch / "operators")
+            _sync(device)
+        order = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+        table = operators.key_averages().table(sort_by=order, row_limit=20)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return f"== profile of {LABELS.get(name, name)}, {rounds} forwards\n{text.getvalue()}\n{table}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=11)
@@ -426,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--default-run-rounds", type=int, default=3, help="runs of the default python -m paritylab (0: skip)"
     )
     parser.add_argument("--only-capture", action="store_true", help="capture side by side and the default run only")
+    parser.add_argument(
+        "--profile", metavar="MODE", action="append", default=[], help="print where MODE's time goes (repeatable)"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
@@ -451,6 +488,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         results["default_run"] = whole_run.default_phases(args.default_run_rounds)
         results["default_run_rounds"] = args.default_run_rounds
+    for name in args.profile:
+        print(profile_mode(name, model, inputs, args.device))
     if args.only_capture:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1))

@@ -9,6 +9,8 @@
 # Each run's exit code, verdict, phases, planned and measured memory go to stdout and gpu-results.json; each
 # run's own output to runs.log; the benchmark's to bench.log and bench-<device>.json.
 #   OUT=<dir> bash benchmarks/gpu.sh [quick]     quick: tiny shapes and device=cpu, to try the script here
+#   GPU_RUNS="tiny-port llava-7b-port bench"       only these runs (names below; default all), for a short lease
+#   BENCH_ARGS="--reps 11 --only-capture"          bench.py's arguments instead of the defaults
 # Needs paritylab installed (pip install -e .); MLflow is not needed (tracking=off). Run directories go to a
 # temporary directory that is removed.
 set -uo pipefail
@@ -40,9 +42,12 @@ planted=(candidate.ports.llava.build._target_=tests.faulty.scaled_port
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+selected() { [ -z "${GPU_RUNS:-}" ] || [[ " $GPU_RUNS " == *" $1 "* ]]; }
+
 run() { # name, time limit (s), overrides...
   local name=$1 limit=$2
   shift 2
+  selected "$name" || return 0
   local started
   started=$(date +%s.%N)
   echo "== $name: $*" >>"$out/runs.log"
@@ -65,5 +70,7 @@ if [ "$quick" = quick ]; then
 else
   bench=(--reps 5)
 fi
+[ -n "${BENCH_ARGS:-}" ] && read -r -a bench <<<"$BENCH_ARGS"
+selected bench || exit 0
 (cd "$work" && timeout 240 python3 "$repository/benchmarks/bench.py" "${bench[@]}" --device "$device" --no-libraries \
   --skip-memory --skip-logging --whole-run-rounds 0 --output "$out/bench-$device.json") 2>&1 | tee "$out/bench.log"

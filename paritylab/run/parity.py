@@ -143,13 +143,19 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
     wide = cast_call(call, torch.float64)
 
     def measure(model: nn.Module, run: Call) -> Floors:
-        exact = trace_model(model, run, directory / "noise-exact64", capture=None)
-        if [c.key for c in exact.calls] != [c.key for c in reference_trace.calls]:
-            raise RuntimeError("the float64 forward made other module calls than the float32 one")
-        alignment = align(reference_trace, reference_trace)
-        replayed = isolated_replay(model, run, reference_trace, reference_trace, alignment, directory / "noise-local64")
-        local = local_floors(reference_trace, replayed, alignment)
-        return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
+        try:
+            exact = trace_model(model, run, directory / "noise-exact64", capture=None)
+            if [c.key for c in exact.calls] != [c.key for c in reference_trace.calls]:
+                raise RuntimeError("the float64 forward made other module calls than the float32 one")
+            alignment = align(reference_trace, reference_trace)
+            replayed = isolated_replay(
+                model, run, reference_trace, reference_trace, alignment, directory / "noise-local64"
+            )
+            local = local_floors(reference_trace, replayed, alignment)
+            return Floors(torch.float32, free_run_floor(exact, reference_trace), local, loosens_only=True)
+        finally:  # the floors are numbers: the float64 traces (twice the reference's bytes) are scratch
+            for name in ("noise-exact64", "noise-local64"):
+                shutil.rmtree(directory / name, ignore_errors=True)
 
     def widened(model: nn.Module) -> Any:  # inside the tracer: it meets the weights themselves
         with widened_in_place(model, torch.float64, reference_trace.uncalled, stand_in=True):  # none met in float32
@@ -162,8 +168,6 @@ def estimate_float32_floors(reference: nn.Module, call: Call, reference_trace: T
         free = available_memory(device)
         if free is None or 2 * model_bytes(reference) > LIFTED_MEMORY_SHARE * free:
             raise
-    for name in ("noise-exact64", "noise-local64"):
-        shutil.rmtree(directory / name, ignore_errors=True)
     return measure(converted_copy(reference, torch.float64), wide)
 
 
