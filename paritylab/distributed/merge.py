@@ -63,8 +63,10 @@ from typing import Any
 
 import torch
 
+from paritylab.comparison.alignment import Rule
 from paritylab.comparison.metrics import Tolerances
 from paritylab.distributed.placements import SlotPlacement, read_placements
+from paritylab.distributed.row_maps import RowMap, row_maps
 from paritylab.distributed.slot_rules import SlotMerge, SlotRules, same_values
 from paritylab.distributed.slot_rules import concat_dim as concat_dim  # re-exported: merge's public helpers
 from paritylab.tracing.files import write_json
@@ -86,6 +88,12 @@ class MergedTrace:
     notes: list[str] = field(default_factory=list)
     """Whole-run findings (calls missing on a rank, a rank's tracing hook error)."""
     _ranks: list[Trace] | None = field(default=None, repr=False)
+    row_maps: dict[str, RowMap] = field(default_factory=dict)
+    """Module path -> how its ranks' output features make the reference's (:mod:`.row_maps`)."""
+
+    def rules(self) -> list[Rule]:
+        """The alignment rules the row maps prove: each reference module paired with its part of a merged output."""
+        return [rule for row_map in self.row_maps.values() for rule in row_map.rules()]
 
     @property
     def world_size(self) -> int:
@@ -115,6 +123,7 @@ class MergedTrace:
             "ranks": [os.path.relpath(path, directory) for path in self.rank_directories],
             "notes": self.notes,
             "slots": [merge.to_json() for merge in self.slots.values()],
+            "row_maps": [row_map.to_json() for row_map in self.row_maps.values()],
         }
         write_json(directory / MERGE_FILE, document)
         return directory / MERGE_FILE
@@ -129,7 +138,8 @@ class MergedTrace:
             merge = SlotMerge.from_json(entry)
             slots[(merge.call, merge.slot)] = merge
         ranks = [(directory / path).resolve() for path in document["ranks"]]  # relative to the merged trace
-        return cls(trace, slots, ranks, list(document.get("notes", [])))
+        maps = [RowMap.from_json(entry) for entry in document.get("row_maps", [])]
+        return cls(trace, slots, ranks, list(document.get("notes", [])), row_maps={item.module: item for item in maps})
 
 
 def merge_ranks(
@@ -150,8 +160,9 @@ def merge_ranks(
     ranks = [Trace.load(path) for path in rank_directories]
     _check_ranks(ranks, rank_directories)
     order = call_order([trace.keys for trace in ranks])
+    maps = row_maps(reference, ranks) if reference is not None else {}
     merger = _Merger(ranks, [read_placements(path) for path in rank_directories], reference, directory,
-                     tolerances or Tolerances(), tuple(partial_outputs), order)  # fmt: skip
+                     tolerances or Tolerances(), tuple(partial_outputs), order, maps)  # fmt: skip
     try:
         calls = [merger.call(key) for key in order]
     finally:
@@ -160,7 +171,7 @@ def merge_ranks(
     trace = Trace(calls=calls, meta=merger.meta(), captures=merger.captures(), directory=directory)
     trace.files = {ref: (name, ref) for ref, name in merger.store.files.items()}
     trace.save(directory)
-    merged = MergedTrace(Trace.load(directory), merger.slots, list(rank_directories), merger.notes, ranks)
+    merged = MergedTrace(Trace.load(directory), merger.slots, list(rank_directories), merger.notes, ranks, maps)
     merged.save()
     return merged
 
@@ -189,7 +200,9 @@ class _Merger:
         tolerances: Tolerances,
         partial_outputs: tuple[str, ...],
         order: Sequence[str],
+        maps: dict[str, RowMap],
     ) -> None:
+        self.row_maps = maps
         self.ranks = ranks
         self.placements = placements
         self.reference = reference
@@ -285,7 +298,8 @@ class _Merger:
             self._primary[primary] = None
         for slot, leaf in iter_tensors(merged, side):
             nodes = [found.get(slot) for found in pieces]
-            new_leaf, slot_record = self._slot(record, slot, nodes, wanted.get(slot))
+            row_map = self.row_maps.get(record.path) if side == "outputs" and slot == primary else None
+            new_leaf, slot_record = self._slot(record, slot, nodes, wanted.get(slot), row_map)
             leaf.clear()
             leaf.update(new_leaf)
             self.slots[(record.key, slot)] = slot_record
@@ -296,11 +310,11 @@ class _Merger:
     # -- slots -------------------------------------------------------------------------------------------
 
     def _slot(
-        self, call: CallRecord, slot: str, nodes: list[Node | None], wanted: Node | None
+        self, call: CallRecord, slot: str, nodes: list[Node | None], wanted: Node | None, row_map: RowMap | None
     ) -> tuple[Node, SlotMerge]:
         """The merged leaf of one slot (written to the store) and its record; a slot whose pieces and reference
         were merged before (the same tensors under another call, as a module's output is its parent's) reuses
-        that merge."""
+        that merge. ``row_map``: the call's module computes features the weights place (:mod:`.row_maps`)."""
         present = [rank for rank, node in enumerate(nodes) if node is not None]
         holders = present if len(present) < len(nodes) else None
         refs = [node.get("ref") if node is not None else None for node in nodes]
@@ -314,7 +328,7 @@ class _Merger:
         placement = self._placement(call.key, slot, present)
         declared = self._declared_partial(call, slot)
         wanted_ref, wanted_shape = (wanted or {}).get("ref"), tuple((wanted or {}).get("shape") or ())
-        memo_key = (tuple(refs), wanted_ref, wanted_shape, tolerance, json.dumps(placement), declared)
+        memo_key = (tuple(refs), wanted_ref, wanted_shape, tolerance, json.dumps(placement), declared, row_map is None)
         done = self._done.get(memo_key) if all(refs[rank] is not None for rank in present) else None
         if done is not None:
             leaf = {key: value for key, value in done[0].items() if key not in ("from", "device")}
@@ -331,7 +345,15 @@ class _Merger:
             leaf["skipped"] = record.note
             return leaf, record
         expected = self.reference.tensor(wanted) if self.reference is not None and wanted is not None else None
-        value = SlotRules(record, values, expected, tolerance, placement, declared).apply()  # type: ignore[arg-type]
+        pieces: list[torch.Tensor] = values  # type: ignore[assignment]
+        positions = row_map.positions() if row_map is not None and holders is None else None
+        value: torch.Tensor | None
+        if row_map is not None and positions is not None and _fits(pieces, positions):
+            whole = self._reference_rows(row_map, call)
+            note = f"by the weights' row map: {row_map.describe()}"
+            value = SlotRules(record, pieces, whole, tolerance, None, False).by_rows(positions, note)
+        else:
+            value = SlotRules(record, pieces, expected, tolerance, placement, declared).apply()
         if value is None:
             leaf["skipped"] = record.note or "not merged"
             return leaf, record
@@ -349,6 +371,22 @@ class _Merger:
             leaf["skipped"] = skipped or "not written"
         self._done[memo_key] = (dict(leaf), record)
         return leaf, record
+
+    def _reference_rows(self, row_map: RowMap, call: CallRecord) -> torch.Tensor | None:
+        """The reference's value of a row-mapped output: each reference module's output of the same call, laid end
+        to end along the features as the map lays their rows (``None`` where one is missing)."""
+        if self.reference is None:
+            return None
+        parts = []
+        for module, rows in row_map.segments:
+            found = self.reference_keys.get(f"{module}#{call.call_index}")
+            slot = first_tensor_slot(found.outputs, "outputs") if found is not None else None
+            node = dict(iter_tensors(found.outputs, "outputs")).get(slot) if found is not None and slot else None
+            value = self.reference.tensor(node) if node is not None else None
+            if value is None or not value.dim() or value.shape[-1] != rows:
+                return None
+            parts.append(value)
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
     def _placement(self, key: str, slot: str, holders: Sequence[int]) -> list[SlotPlacement] | None:
         """The slot's DTensor placement as every rank holding it recorded it (``None`` unless all did)."""
@@ -422,6 +460,13 @@ def call_order(orders: Sequence[Sequence[str]]) -> list[str]:
             continue
         merged = [new for key in merged for new in (*before.get(key, ()), key)] + pending
     return merged
+
+
+def _fits(values: list[torch.Tensor], positions: list[list[int]]) -> bool:
+    """Every rank's last dimension holds as many features as its rows in the row map."""
+    return all(
+        value.dim() > 0 and value.shape[-1] == len(where) for value, where in zip(values, positions, strict=True)
+    )
 
 
 def _count_rules(slots: Any) -> dict[str, int]:

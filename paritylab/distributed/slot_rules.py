@@ -31,7 +31,7 @@ class SlotMerge:
     call: str
     slot: str
     rule: str
-    """See :mod:`.merge`: ``shard``, ``replicate``, ``partial``, ``replicated``, ``concat``, ``disagree``,
+    """See :mod:`.merge`: ``shard``, ``replicate``, ``partial``, ``replicated``, ``concat``, ``rows``, ``disagree``,
     ``unresolved``, ``missing``."""
     shapes: list[list[int]]
     """Each rank's shape, in rank order."""
@@ -109,6 +109,26 @@ class SlotRules:
             self.record.note = "; ".join(filter(None, [unmerged + ", so merged by values", self.record.note]))
             return value
         return self._by_values()
+
+    def by_rows(self, positions: list[list[int]], note: str) -> torch.Tensor:
+        """Every rank's features put at the merged positions the weights' row map gives them (``positions``, per
+        rank: one per feature of its last dimension), each rank's piece judged against the reference's features
+        there (``expected`` is the reference's whole value in that order)."""
+        record, values, expected = self.record, self.values, self.expected
+        record.rule, record.dim, record.note = "rows", values[0].dim() - 1, note
+        width = sum(len(where) for where in positions)
+        merged = values[0].new_zeros((*values[0].shape[:-1], width))
+        for value, where in zip(values, positions, strict=True):
+            merged.index_copy_(-1, torch.tensor(where, device=merged.device), value.to(merged.dtype))
+        if expected is not None and list(expected.shape) == list(merged.shape):
+            record.reference_shape = list(expected.shape)
+            judged = [
+                self._judge(expected[..., torch.tensor(where, device=expected.device)], value)
+                for value, where in zip(values, positions, strict=True)
+            ]
+            record.errors = [error for error, _ in judged]
+            record.agrees = [agrees for _, agrees in judged]
+        return merged
 
     def _by_values(self) -> torch.Tensor:
         values, record = self.values, self.record
