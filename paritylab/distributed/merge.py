@@ -28,6 +28,10 @@ rule that applies (:class:`SlotMerge.rule`):
     reference's and whose replicas agree most is taken, every rank's piece is judged against its part
     (:attr:`SlotMerge.parts`), and each part comes from the replica furthest from the reference (so a check
     passes only if every replica's piece does).
+``rows``
+    The module's weight rows on every rank are reference rows, together each row of some reference tensors once, in
+    another order than one tensor concatenated (a fused ``[q_r; k_r; v_r]`` per rank): each rank's output features
+    at their reference positions (:mod:`.row_maps`); the comparison pairs each reference module with its part.
 ``partial``
     Same shape as the reference on every rank, different values, and the module is declared to return a
     partial sum that its caller reduces (``partial_outputs``): the sum.
