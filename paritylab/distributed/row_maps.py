@@ -9,9 +9,12 @@ them, each in its own row order (a reference holding one fused tensor at the sam
 comparison then pairs each reference module with its part of the merged output (:meth:`RowMap.rules`), so the fused
 call is compared, not only covered.
 
-A rank whose map is missing or does not fit the others' (a block loaded wrong whose values are another block's) is
-read in the layout the other ranks share: its blocks, in order, stand for the same reference tensors, at the rows no
-other rank holds. So a wrong block is still compared, at its reference position, and fails there with its rank.
+Each tensor's rows must lie on the ranks in rank order (rank 0 holds its first rows), as a ``Shard`` lays them out:
+ranks holding one tensor's shards in another order have a defect, not a layout, and are merged by concatenation,
+which names it (``shard-order``). A rank whose map is missing or does not fit the others' (a block loaded wrong
+whose values are another block's) is read in the layout the other ranks share: its blocks, in order, stand for the
+same reference tensors, at the rows no other rank holds. So a wrong block is still compared, at its reference
+position, and fails there with its rank.
 """
 
 from __future__ import annotations
@@ -151,6 +154,10 @@ def _row_map(path: str, ranks: list[tuple[int, list[RowBlock] | None]], rows_of:
     complete = [found for found in runs if found is not None]
     if len(complete) < len(ranks) or not _each_row_once(complete, modules, rows_of):
         return None
+    if not all(
+        _in_rank_order([[run for run in found if run[2] == module] for found in complete]) for module in modules
+    ):
+        return None  # a tensor's shards out of rank order: a defect the concatenation names (shard-order), not a layout
     segments = [(module, rows_of[module]) for module in modules]
     if segments == [(path, rows_of.get(path, -1))] and _in_rank_order(complete):
         return None  # a plain column-parallel shard: the concatenation is the reference's order
@@ -218,6 +225,7 @@ def _each_row_once(runs: list[list[tuple[int, int, str, int]]], modules: list[st
 
 
 def _in_rank_order(runs: list[list[tuple[int, int, str, int]]]) -> bool:
+    """The runs, rank after rank, hold consecutive reference rows from row 0 (as ``Shard`` lays them out)."""
     position = 0
     for found in runs:
         for a, b, _, first in found:
