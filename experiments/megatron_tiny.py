@@ -8,6 +8,10 @@ and the ranks' pieces are not one block of anything; o and the MLP's down projec
 multiplies its slice, an all-reduce sums, the bias is added once after it); the MLP's up projection is
 column-parallel. Norms and the head are replicated.
 
+``options["mlp"] = "gated"`` builds the port of :func:`reference` with ``gated=True``, whose MLP holds separate gate
+and up projections (``down(silu(gate(x)) * up(x))``): each rank fuses its rows of both into one ``gate_up`` Linear,
+``[gate_r; up_r]``, as vLLM's ``MergedColumnParallelLinear`` does: a second layout of per-rank blocks.
+
 ``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct.
 """
 
@@ -27,6 +31,7 @@ DEFECTS = {
     "k_block_scaled": "rank 1 loads its k rows of layer 0's fused qkv scaled by 1.01 (a conversion bug on one shard)",
     "k_block_from_v": "rank 1 loads its k rows of layer 0's fused qkv from v's rows (a wrong block)",
     "k_bias_scaled": "rank 1 loads its stretch of k's bias in layer 0's fused qkv bias scaled by 1.01",
+    "up_block_scaled": "rank 1 loads its up rows of layer 0's fused gate_up scaled by 1.01 (with mlp=gated)",
 }
 
 
@@ -53,6 +58,15 @@ class Mlp(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class GatedMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(WIDTH, INNER), nn.Linear(WIDTH, INNER), nn.Linear(INNER, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     def __init__(self, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -66,9 +80,9 @@ class Block(nn.Module):
 class Reference(nn.Module):
     """The one-device reference: two blocks and a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, gated: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(Attention(), Mlp()) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(Attention(), GatedMlp() if gated else Mlp()) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +91,11 @@ class Reference(nn.Module):
         return self.head(x)
 
 
-def reference(seed: int = 0) -> Reference:
-    """The reference with seeded weights (biases too: a zero bias counted twice is still right)."""
+def reference(seed: int = 0, gated: bool = False) -> Reference:
+    """The reference with seeded weights (biases too: a zero bias counted twice is still right); ``gated``: its MLP
+    holds separate gate and up projections."""
     torch.manual_seed(seed)
-    model = Reference().eval()
+    model = Reference(gated).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -122,14 +137,28 @@ class ShardedMlp(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-class Port(Reference):
+class FusedGatedMlp(nn.Module):
+    """This rank's gate and up rows fused into one column-parallel Linear, ``[gate_r; up_r]``."""
+
     def __init__(self, size: int) -> None:
+        super().__init__()
+        self.inner = INNER // size
+        self.gate_up, self.down = nn.Linear(WIDTH, 2 * self.inner), RowParallel(self.inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inner, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Port(Reference):
+    def __init__(self, size: int, gated: bool = False) -> None:
         nn.Module.__init__(self)
-        self.blocks = nn.ModuleList(Block(FusedAttention(size), ShardedMlp(size)) for _ in range(LAYERS))
+        mlp = FusedGatedMlp if gated else ShardedMlp
+        self.blocks = nn.ModuleList(Block(FusedAttention(size), mlp(size)) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
 
-@takes_options("defect")
+@takes_options("defect", "mlp")
 def build(context: RankContext) -> nn.Module:
     """Rank ``context.rank``'s share of :class:`Reference` with the reference's weights (``context.state_dict()``);
     ``options["defect"]`` plants a bug (:data:`DEFECTS`)."""
@@ -140,7 +169,8 @@ def build(context: RankContext) -> nn.Module:
     if HEADS % size or INNER % size:
         raise ValueError(f"{HEADS} heads and an inner size of {INNER} must divide by the world size {size}")
     weights = context.state_dict()
-    model = Port(size).eval()
+    gated = context.options.get("mlp") == "gated"
+    model = Port(size, gated).eval()
     local, inner = WIDTH // size, INNER // size
     rows, inner_rows = slice(rank * local, (rank + 1) * local), slice(rank * inner, (rank + 1) * inner)
     with torch.no_grad():
@@ -150,8 +180,8 @@ def build(context: RankContext) -> nn.Module:
                 getattr(block, norm).load_state_dict(
                     {name: weights[f"{prefix}.{norm}.{name}"] for name in ("weight", "bias")}
                 )
-            attention, mlp = block.attn, block.mlp
-            assert isinstance(attention, FusedAttention) and isinstance(mlp, ShardedMlp)
+            attention = block.attn
+            assert isinstance(attention, FusedAttention)
             parts = {name: weights[f"{prefix}.attn.{name}.weight"][rows] for name in "qkv"}
             if index == 0 and rank == 1 and defect == "k_block_scaled":
                 parts["k"] = parts["k"] * 1.01
@@ -164,9 +194,25 @@ def build(context: RankContext) -> nn.Module:
             attention.qkv.bias.copy_(torch.cat([biases["q"], biases["k"], biases["v"]]))
             attention.o.weight.copy_(weights[f"{prefix}.attn.o.weight"][:, rows])
             attention.o.bias.copy_(weights[f"{prefix}.attn.o.bias"])
-            mlp.up.weight.copy_(weights[f"{prefix}.mlp.up.weight"][inner_rows])
-            mlp.up.bias.copy_(weights[f"{prefix}.mlp.up.bias"][inner_rows])
-            mlp.down.weight.copy_(weights[f"{prefix}.mlp.down.weight"][:, inner_rows])
-            mlp.down.bias.copy_(weights[f"{prefix}.mlp.down.bias"])
+            _load_mlp(block.mlp, weights, f"{prefix}.mlp", inner_rows, index == 0 and rank == 1 and defect)
         model.head.load_state_dict({name: weights[f"head.{name}"] for name in ("weight", "bias")})
     return model.to(context.device)
+
+
+def _load_mlp(mlp: nn.Module, weights: dict[str, torch.Tensor], prefix: str, rows: slice, defect: object) -> None:
+    """This rank's rows of the MLP's column-parallel projections (fused ``[gate_r; up_r]`` when gated), its columns
+    of the row-parallel down projection."""
+    if isinstance(mlp, FusedGatedMlp):
+        for name in ("weight", "bias"):
+            gate, up = (weights[f"{prefix}.{part}.{name}"][rows] for part in ("gate", "up"))
+            if defect == "up_block_scaled" and name == "weight":
+                up = up * 1.01
+            getattr(mlp.gate_up, name).copy_(torch.cat([gate, up]))
+    else:
+        assert isinstance(mlp, ShardedMlp)
+        mlp.up.weight.copy_(weights[f"{prefix}.up.weight"][rows])
+        mlp.up.bias.copy_(weights[f"{prefix}.up.bias"][rows])
+    down = mlp.down
+    assert isinstance(down, RowParallel)
+    down.weight.copy_(weights[f"{prefix}.down.weight"][:, rows])
+    down.bias.copy_(weights[f"{prefix}.down.bias"])

@@ -105,6 +105,8 @@ def annotate_ranks(report: Report, merged: MergedTrace) -> int:
         merge = merged.slot(row.candidate.key, row.candidate.slot or "")
         if merge is None or merge.agrees is None or merge.errors is None or len(set(merge.agrees)) < 2:
             continue
+        if merge.rule == "rows" and not row.diverged:
+            continue  # the ranks' errors are over the whole merged output; the part this row compares agrees
         pieces = zip(merge.holders, merge.agrees, merge.errors, strict=True)
         line = "per rank: " + ", ".join(
             f"rank {rank} {'agrees' if ok else 'differs'} (rel_l2 {error:.2g})" for rank, ok, error in pieces
@@ -164,14 +166,14 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
     if agrees is not None and any(agrees) and not all(agrees):
         wrong = [rank for rank, ok in zip(every, agrees, strict=True) if not ok]
         right = [rank for rank, ok in zip(every, agrees, strict=True) if ok]
-        piece = "shard" if merge.rule in ("concat", "shard") else "value"
+        piece = "shard" if merge.rule in ("concat", "shard", "rows") else "value"
         message = (
             f"{where}: {rank_list(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
             f"{rank_list(right)}'s agrees"
         )
         return RankFinding(row.path, "rank", wrong, message, evidence=evidence, **base)
     if agrees is not None and not any(agrees):
-        message = f"{where}: every rank's {'shard' if merge.rule in ('concat', 'shard') else 'value'} is wrong"
+        message = f"{where}: every rank's {'shard' if merge.rule in ('concat', 'shard', 'rows') else 'value'} is wrong"
         if merge.rule in ("replicated", "replicate"):
             message = f"{where}: every rank holds the same value, and it differs from the reference ({_errors(merge)})"
         offset = _constant_offset(row, merged, reference)

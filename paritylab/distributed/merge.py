@@ -28,6 +28,10 @@ rule that applies (:class:`SlotMerge.rule`):
     reference's and whose replicas agree most is taken, every rank's piece is judged against its part
     (:attr:`SlotMerge.parts`), and each part comes from the replica furthest from the reference (so a check
     passes only if every replica's piece does).
+``rows``
+    The module's weight rows on every rank are reference rows, together each row of some reference tensors once, in
+    another order than one tensor concatenated (a fused ``[q_r; k_r; v_r]`` per rank): each rank's output features
+    at their reference positions (:mod:`.row_maps`); the comparison pairs each reference module with its part.
 ``partial``
     Same shape as the reference on every rank, different values, and the module is declared to return a
     partial sum that its caller reduces (``partial_outputs``): the sum.
@@ -55,17 +59,20 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from paritylab.comparison.metrics import Tolerance, Tolerances, divergence, within
+from paritylab.comparison.alignment import Rule
+from paritylab.comparison.metrics import Tolerances
 from paritylab.distributed.placements import SlotPlacement, read_placements
+from paritylab.distributed.row_maps import RowMap, row_maps
+from paritylab.distributed.slot_rules import SlotMerge, SlotRules, same_values
+from paritylab.distributed.slot_rules import concat_dim as concat_dim  # re-exported: merge's public helpers
 from paritylab.tracing.files import write_json
 from paritylab.tracing.stats import cpu_stats, stats_dict, supports_stats
 from paritylab.tracing.storage import TensorStore
@@ -73,60 +80,6 @@ from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
 
 MERGE_FILE = "merge.json"
-REDUCTIONS = ("sum", "avg", "max", "min")
-"""The ``Partial`` reductions merged by placement."""
-MAX_ORDER_RANKS = 16
-"""Above this many ranks, a concatenation's pieces are not tested against every other rank's part."""
-
-
-@dataclass
-class SlotMerge:
-    """How one tensor slot of one call was reassembled, and the evidence for it."""
-
-    call: str
-    slot: str
-    rule: str
-    """See the module docstring: ``shard``, ``replicate``, ``partial``, ``replicated``, ``concat``, ``disagree``,
-    ``unresolved``, ``missing``."""
-    shapes: list[list[int]]
-    """Each rank's shape, in rank order."""
-    refs: list[str | None]
-    """Each rank's tensor reference in its own trace (:meth:`MergedTrace.rank_value` reads it)."""
-    ranks: list[int] | None = None
-    """The ranks that hold the slot when not every rank does (a pipeline stage's); ``errors``, ``agrees`` and
-    ``holds`` are then in the order of these ranks. ``None``: every rank."""
-    reference_shape: list[int] | None = None
-    dim: int | None = None
-    """The concatenation dimension (``shard``, ``concat``)."""
-    errors: list[float] | None = None
-    """Each rank's relative L2 error against the reference's matching part (its slice for a concatenation, the
-    whole for the others); ``None`` when the reference has no value here."""
-    agrees: list[bool] | None = None
-    """Each rank's piece within the comparison's tolerance of the reference's matching part."""
-    sum_error: float | None = None
-    """``disagree``: the ranks' sum against the reference (a missing all-reduce makes it agree)."""
-    sum_agrees: bool | None = None
-    parts: list[int] | None = None
-    """For a concatenation of replicated shards (a 2-D mesh): the part of the reference each rank's piece is;
-    ``None``: rank ``r``'s is part ``r``."""
-    holds: list[int | None] | None = None
-    """For a concatenation whose pieces fail: the reference part each rank's piece does equal (its own index when
-    in place; another when the shards are out of order; ``None`` when none)."""
-    chosen: int | None = None
-    """``disagree``: the rank whose value the merged trace holds."""
-    note: str = ""
-
-    @property
-    def holders(self) -> list[int]:
-        """The ranks whose pieces ``errors``, ``agrees`` and ``holds`` describe, in their order."""
-        return list(self.ranks) if self.ranks is not None else list(range(len(self.shapes)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {key: value for key, value in vars(self).items() if value is not None and value != ""}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SlotMerge:
-        return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data})
 
 
 @dataclass
@@ -139,6 +92,12 @@ class MergedTrace:
     notes: list[str] = field(default_factory=list)
     """Whole-run findings (calls missing on a rank, a rank's tracing hook error)."""
     _ranks: list[Trace] | None = field(default=None, repr=False)
+    row_maps: dict[str, RowMap] = field(default_factory=dict)
+    """Module path -> how its ranks' output features make the reference's (:mod:`.row_maps`)."""
+
+    def rules(self) -> list[Rule]:
+        """The alignment rules the row maps prove: each reference module paired with its part of a merged output."""
+        return [rule for row_map in self.row_maps.values() for rule in row_map.rules()]
 
     @property
     def world_size(self) -> int:
@@ -168,6 +127,7 @@ class MergedTrace:
             "ranks": [os.path.relpath(path, directory) for path in self.rank_directories],
             "notes": self.notes,
             "slots": [merge.to_json() for merge in self.slots.values()],
+            "row_maps": [row_map.to_json() for row_map in self.row_maps.values()],
         }
         write_json(directory / MERGE_FILE, document)
         return directory / MERGE_FILE
@@ -182,7 +142,8 @@ class MergedTrace:
             merge = SlotMerge.from_json(entry)
             slots[(merge.call, merge.slot)] = merge
         ranks = [(directory / path).resolve() for path in document["ranks"]]  # relative to the merged trace
-        return cls(trace, slots, ranks, list(document.get("notes", [])))
+        maps = [RowMap.from_json(entry) for entry in document.get("row_maps", [])]
+        return cls(trace, slots, ranks, list(document.get("notes", [])), row_maps={item.module: item for item in maps})
 
 
 def merge_ranks(
@@ -203,8 +164,9 @@ def merge_ranks(
     ranks = [Trace.load(path) for path in rank_directories]
     _check_ranks(ranks, rank_directories)
     order = call_order([trace.keys for trace in ranks])
+    maps = row_maps(reference, ranks) if reference is not None else {}
     merger = _Merger(ranks, [read_placements(path) for path in rank_directories], reference, directory,
-                     tolerances or Tolerances(), tuple(partial_outputs), order)  # fmt: skip
+                     tolerances or Tolerances(), tuple(partial_outputs), order, maps)  # fmt: skip
     try:
         calls = [merger.call(key) for key in order]
     finally:
@@ -213,7 +175,7 @@ def merge_ranks(
     trace = Trace(calls=calls, meta=merger.meta(), captures=merger.captures(), directory=directory)
     trace.files = {ref: (name, ref) for ref, name in merger.store.files.items()}
     trace.save(directory)
-    merged = MergedTrace(Trace.load(directory), merger.slots, list(rank_directories), merger.notes, ranks)
+    merged = MergedTrace(Trace.load(directory), merger.slots, list(rank_directories), merger.notes, ranks, maps)
     merged.save()
     return merged
 
@@ -242,7 +204,9 @@ class _Merger:
         tolerances: Tolerances,
         partial_outputs: tuple[str, ...],
         order: Sequence[str],
+        maps: dict[str, RowMap],
     ) -> None:
+        self.row_maps = maps
         self.ranks = ranks
         self.placements = placements
         self.reference = reference
@@ -338,7 +302,8 @@ class _Merger:
             self._primary[primary] = None
         for slot, leaf in iter_tensors(merged, side):
             nodes = [found.get(slot) for found in pieces]
-            new_leaf, slot_record = self._slot(record, slot, nodes, wanted.get(slot))
+            row_map = self.row_maps.get(record.path) if side == "outputs" and slot == primary else None
+            new_leaf, slot_record = self._slot(record, slot, nodes, wanted.get(slot), row_map)
             leaf.clear()
             leaf.update(new_leaf)
             self.slots[(record.key, slot)] = slot_record
@@ -349,11 +314,11 @@ class _Merger:
     # -- slots -------------------------------------------------------------------------------------------
 
     def _slot(
-        self, call: CallRecord, slot: str, nodes: list[Node | None], wanted: Node | None
+        self, call: CallRecord, slot: str, nodes: list[Node | None], wanted: Node | None, row_map: RowMap | None
     ) -> tuple[Node, SlotMerge]:
         """The merged leaf of one slot (written to the store) and its record; a slot whose pieces and reference
         were merged before (the same tensors under another call, as a module's output is its parent's) reuses
-        that merge."""
+        that merge. ``row_map``: the call's module computes features the weights place (:mod:`.row_maps`)."""
         present = [rank for rank, node in enumerate(nodes) if node is not None]
         holders = present if len(present) < len(nodes) else None
         refs = [node.get("ref") if node is not None else None for node in nodes]
@@ -367,7 +332,7 @@ class _Merger:
         placement = self._placement(call.key, slot, present)
         declared = self._declared_partial(call, slot)
         wanted_ref, wanted_shape = (wanted or {}).get("ref"), tuple((wanted or {}).get("shape") or ())
-        memo_key = (tuple(refs), wanted_ref, wanted_shape, tolerance, json.dumps(placement), declared)
+        memo_key = (tuple(refs), wanted_ref, wanted_shape, tolerance, json.dumps(placement), declared, row_map is None)
         done = self._done.get(memo_key) if all(refs[rank] is not None for rank in present) else None
         if done is not None:
             leaf = {key: value for key, value in done[0].items() if key not in ("from", "device")}
@@ -384,7 +349,15 @@ class _Merger:
             leaf["skipped"] = record.note
             return leaf, record
         expected = self.reference.tensor(wanted) if self.reference is not None and wanted is not None else None
-        value = _Rules(record, values, expected, tolerance, placement, declared).apply()  # type: ignore[arg-type]
+        pieces: list[torch.Tensor] = values  # type: ignore[assignment]
+        positions = row_map.positions() if row_map is not None and holders is None else None
+        value: torch.Tensor | None
+        if row_map is not None and positions is not None and _fits(pieces, positions):
+            whole = self._reference_rows(row_map, call)
+            note = f"by the weights' row map: {row_map.describe()}"
+            value = SlotRules(record, pieces, whole, tolerance, None, False).by_rows(positions, note)
+        else:
+            value = SlotRules(record, pieces, expected, tolerance, placement, declared).apply()
         if value is None:
             leaf["skipped"] = record.note or "not merged"
             return leaf, record
@@ -402,6 +375,22 @@ class _Merger:
             leaf["skipped"] = skipped or "not written"
         self._done[memo_key] = (dict(leaf), record)
         return leaf, record
+
+    def _reference_rows(self, row_map: RowMap, call: CallRecord) -> torch.Tensor | None:
+        """The reference's value of a row-mapped output: each reference module's output of the same call, laid end
+        to end along the features as the map lays their rows (``None`` where one is missing)."""
+        if self.reference is None:
+            return None
+        parts = []
+        for module, rows in row_map.segments:
+            found = self.reference_keys.get(f"{module}#{call.call_index}")
+            slot = first_tensor_slot(found.outputs, "outputs") if found is not None else None
+            node = dict(iter_tensors(found.outputs, "outputs")).get(slot) if found is not None and slot else None
+            value = self.reference.tensor(node) if node is not None else None
+            if value is None or not value.dim() or value.shape[-1] != rows:
+                return None
+            parts.append(value)
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
     def _placement(self, key: str, slot: str, holders: Sequence[int]) -> list[SlotPlacement] | None:
         """The slot's DTensor placement as every rank holding it recorded it (``None`` unless all did)."""
@@ -450,235 +439,6 @@ class _Merger:
         return merged
 
 
-class _Rules:
-    """Applies the merge rules to one slot's pieces (see the module docstring), filling in ``record``."""
-
-    def __init__(
-        self,
-        record: SlotMerge,
-        values: list[torch.Tensor],
-        expected: torch.Tensor | None,
-        tolerance: Tolerance,
-        placement: list[SlotPlacement] | None,
-        declared_partial: bool,
-    ) -> None:
-        self.record = record
-        self.values = values
-        self.expected = expected
-        self.tolerance = tolerance
-        self.placement = placement
-        self.declared_partial = declared_partial
-
-    def apply(self) -> torch.Tensor | None:
-        """The merged value (``None``: none can be made); the record says which rule and why."""
-        if self.record.ranks is not None and len(self.values) == 1:
-            self.record.rule = "stage"
-            self.record.note = f"rank {self.record.ranks[0]} alone holds this value"
-            self._judge_whole()
-            return self.values[0]
-        if self.placement is not None:
-            placed = self._by_placement(self.placement)
-            if placed is not None:
-                return placed
-            unmerged, self.record.note = self.record.note, ""
-            value = self._by_values()
-            self.record.note = "; ".join(filter(None, [unmerged + ", so merged by values", self.record.note]))
-            return value
-        return self._by_values()
-
-    def _by_values(self) -> torch.Tensor:
-        values, record = self.values, self.record
-        shapes = [list(value.shape) for value in values]
-        same = all(shape == shapes[0] for shape in shapes)
-        reference_shape = record.reference_shape
-        if reference_shape is not None and not (same and shapes[0] == reference_shape):
-            dim = concat_dim(shapes, reference_shape)
-            if dim is not None:
-                return self._concat(dim, "concat")
-            replicas = self._replicated_shards(shapes, reference_shape)
-            if replicas is not None:
-                return replicas
-        if same and all(same_values(values[0], value) for value in values[1:]):
-            record.rule = "replicated"
-            self._judge_whole()
-            return values[0]
-        if same and self.declared_partial:
-            return self._reduce("sum", "partial", "declared a partial sum (partial_outputs): summed")
-        if same and (reference_shape is None or shapes[0] == reference_shape):
-            return self._disagree()
-        record.rule = "unresolved"
-        record.note = f"rank shapes {shapes} against the reference's {reference_shape}: no layout fits; rank 0's value"
-        return values[0]
-
-    def _by_placement(self, placement: list[SlotPlacement]) -> torch.Tensor | None:
-        """The value its DTensor placement makes; ``None`` (with the reason in the note) when the placement is
-        not one this merges (a 2-D mesh, ranks that disagree on it, a strided shard, an unknown reduction)."""
-        record = self.record
-        kinds = placement[0].get("placements") or []
-        if any(item != placement[0] for item in placement[1:]):
-            record.note = "the ranks recorded different placements"
-            return None
-        if len(kinds) != 1:
-            record.note = f"placed on a {len(kinds)}-D mesh (only 1-D meshes are merged by placement)"
-            return None
-        size = math.prod(int(item) for item in placement[0].get("mesh") or [len(self.values)])
-        if size != len(self.values):
-            record.note = (
-                f"placed on a mesh of {size} ranks and held by {len(self.values)} (a sub-mesh: replicas along "
-                "another mesh dimension)"
-            )
-            return None
-        kind = kinds[0]
-        if kind.get("kind") == "shard":
-            dim = int(kind["dim"]) % max(1, self.values[0].dim())
-            merged = self._concat(dim, "shard")
-            if list(merged.shape) != list(placement[0].get("shape", merged.shape)):
-                record.note = f"the pieces make {list(merged.shape)}, the DTensor said {placement[0]['shape']}"
-            return merged
-        if kind.get("kind") == "replicate":
-            if all(same_values(self.values[0], value) for value in self.values[1:]):
-                record.rule = "replicate"
-                self._judge_whole()
-                return self.values[0]
-            value = self._disagree()
-            record.note = "placed Replicate, but the ranks hold different values; " + record.note
-            return value
-        if kind.get("kind") == "partial" and str(kind.get("op", "sum")) in REDUCTIONS:
-            return self._reduce(str(kind.get("op", "sum")), "partial", "")
-        record.note = f"placement {kind.get('repr') or kind.get('op') or kind} is not merged by placement"
-        return None
-
-    def _concat(self, dim: int, rule: str) -> torch.Tensor:
-        record, values = self.record, self.values
-        record.rule, record.dim = rule, dim
-        merged = torch.cat(values, dim=dim)
-        self._judge_parts(dim, [value.shape[dim] for value in values], list(range(len(values))), merged.shape)
-        return merged
-
-    def _judge_parts(self, dim: int, sizes: list[int], layout: list[int], shape: Sequence[int]) -> bool:
-        """Judge each rank's piece against the reference's part ``layout[rank]`` (the reference cut along ``dim``
-        into pieces of ``sizes``): ``errors``, ``agrees`` and, when some fail, ``holds``. ``False`` (nothing
-        judged) when the reference has no value of the whole's ``shape``."""
-        expected, record = self.expected, self.record
-        if expected is None or list(expected.shape) != list(shape):
-            return False
-        starts = [sum(sizes[:part]) for part in range(len(sizes))]
-        parts = [expected.narrow(dim, start, size) for start, size in zip(starts, sizes, strict=True)]
-        pieces = list(zip(layout, self.values, strict=True))
-        judged = [self._judge(parts[part], value) for part, value in pieces]
-        record.errors = [error for error, _ in judged]
-        record.agrees = [agrees for _, agrees in judged]
-        if not all(record.agrees) and len(self.values) <= MAX_ORDER_RANKS:
-            record.holds = [self._which_part(value, parts, part) for part, value in pieces]
-        return True
-
-    def _replicated_shards(self, shapes: list[list[int]], reference_shape: list[int]) -> torch.Tensor | None:
-        """The value of ranks that are replicas of one sharding (module docstring, ``concat``), else ``None``."""
-        values, count = self.values, len(self.values)
-        best: tuple[int, int, list[int]] | None = None
-        for pieces in range(2, count):
-            if count % pieces:
-                continue
-            for layout in (
-                [rank % pieces for rank in range(count)],
-                [rank // (count // pieces) for rank in range(count)],
-            ):
-                firsts = [layout.index(part) for part in range(pieces)]
-                if any(shapes[rank] != shapes[firsts[part]] for rank, part in enumerate(layout)):
-                    continue
-                dim = concat_dim([shapes[first] for first in firsts], reference_shape)
-                if dim is None:
-                    continue
-                equal = sum(same_values(values[rank], values[firsts[part]]) for rank, part in enumerate(layout))
-                if best is None or equal > best[0]:
-                    best = (equal, dim, layout)
-        if best is None:
-            return None
-        _, dim, layout = best
-        record = self.record
-        pieces = max(layout) + 1
-        firsts = [layout.index(part) for part in range(pieces)]
-        record.rule, record.dim, record.parts = "concat", dim, layout
-        record.note = (
-            f"{count} ranks as {count // pieces} replicas of {pieces} shards (rank r holds shard "
-            f"{'r % ' + str(pieces) if layout[1] == 1 else 'r // ' + str(count // pieces)}): "
-        )
-        chosen = list(firsts)
-        if self._judge_parts(dim, [values[first].shape[dim] for first in firsts], layout, reference_shape):
-            errors = record.errors or []
-            for part in range(pieces):  # each part from the replica furthest from the reference, as ``disagree``
-                holders = [rank for rank, own in enumerate(layout) if own == part]
-                chosen[part] = max(holders, key=lambda rank: (_sortable(errors[rank]), -rank))
-            record.note += "each shard from the replica furthest from the reference"
-        else:
-            record.note += "the first replica's shards concatenated"
-        return torch.cat([values[rank] for rank in chosen], dim=dim)
-
-    def _which_part(self, value: torch.Tensor, parts: list[torch.Tensor], rank: int) -> int | None:
-        """The index of the reference part ``value`` equals (its own first), or ``None``."""
-        order = [rank, *(index for index in range(len(parts)) if index != rank)]
-        for index in order:
-            if parts[index].shape == value.shape and self._judge(parts[index], value)[1]:
-                return index
-        return None
-
-    def _reduce(self, op: str, rule: str, note: str) -> torch.Tensor:
-        """The ranks' values reduced by ``op`` (one of :data:`REDUCTIONS`)."""
-        record, values = self.record, self.values
-        record.rule, record.note = rule, note
-        merged = values[0].clone() if op != "avg" else values[0].double()
-        for value in values[1:]:
-            if op == "sum":
-                merged = merged + value
-            elif op == "avg":
-                merged = merged + value.double()
-            elif op == "max":
-                merged = torch.maximum(merged, value)
-            else:
-                merged = torch.minimum(merged, value)
-        if op == "avg":
-            merged = (merged / len(values)).to(values[0].dtype)
-        if self.expected is not None and list(self.expected.shape) == list(merged.shape):
-            record.sum_error, record.sum_agrees = self._judge(self.expected, merged)
-        return merged
-
-    def _disagree(self) -> torch.Tensor:
-        """Ranks that should hold one value hold several: keep the one furthest from the reference."""
-        record, values, expected = self.record, self.values, self.expected
-        record.rule = "disagree"
-        if expected is None or list(expected.shape) != list(values[0].shape):
-            record.chosen = 0
-            record.note = "ranks disagree and the reference has no value here to tell which is right: rank 0's value"
-            return values[0]
-        judged = [self._judge(expected, value) for value in values]
-        record.errors = [error for error, _ in judged]
-        record.agrees = [agrees for _, agrees in judged]
-        total = values[0].clone()
-        for value in values[1:]:
-            total = total + value
-        record.sum_error, record.sum_agrees = self._judge(expected, total)
-        worst = max(range(len(values)), key=lambda rank: (_sortable(record.errors[rank]), -rank))  # type: ignore[index]
-        record.chosen = worst
-        record.note = f"ranks disagree: rank {worst}'s value (furthest from the reference) stands for them"
-        return values[worst]
-
-    def _judge_whole(self) -> None:
-        """Every rank holds the same value: its one error, for every rank."""
-        expected = self.expected
-        if expected is None or list(expected.shape) != list(self.values[0].shape):
-            return
-        error, agrees = self._judge(expected, self.values[0])
-        self.record.errors = [error] * len(self.values)
-        self.record.agrees = [agrees] * len(self.values)
-
-    def _judge(self, expected: torch.Tensor, value: torch.Tensor) -> tuple[float, bool]:
-        if not (expected.is_floating_point() or value.is_floating_point()):
-            same = bool(torch.equal(expected.to(value.dtype), value))
-            return (0.0 if same else 1.0), same
-        metrics = divergence(expected, value, self.tolerance)
-        return float(metrics["rel_l2"]), within(metrics)
-
-
 def rank_list(ranks: Sequence[int]) -> str:
     """``rank 1`` or ``ranks 0, 2``."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -706,34 +466,11 @@ def call_order(orders: Sequence[Sequence[str]]) -> list[str]:
     return merged
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit the same tensor, NaN at the same places counting as equal (``torch.equal`` says a tensor
-    holding NaN differs from itself)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point():
-        return False
-    holes = torch.isnan(a)
-    return bool(torch.equal(holes, torch.isnan(b))) and torch.equal(a.masked_fill(holes, 0), b.masked_fill(holes, 0))
-
-
-def concat_dim(shapes: Sequence[Sequence[int]], reference: Sequence[int]) -> int | None:
-    """The one dimension along which ``shapes`` (one per rank) concatenate to ``reference``, else ``None``:
-    every shape has the reference's rank, equals it in every other dimension, and the sizes along it add up.
-    With one rank there is nothing to concatenate."""
-    if len(shapes) < 2 or any(len(shape) != len(reference) for shape in shapes):
-        return None
-    differing = {d for shape in shapes for d in range(len(reference)) if shape[d] != reference[d]}
-    if len(differing) != 1:
-        return None
-    (dim,) = differing
-    return dim if sum(shape[dim] for shape in shapes) == reference[dim] else None
-
-
-def _sortable(value: float) -> float:
-    return math.inf if value != value else value  # NaN is the furthest of all
+def _fits(values: list[torch.Tensor], positions: list[list[int]]) -> bool:
+    """Every rank's last dimension holds as many features as its rows in the row map."""
+    return all(
+        value.dim() > 0 and value.shape[-1] == len(where) for value, where in zip(values, positions, strict=True)
+    )
 
 
 def _count_rules(slots: Any) -> dict[str, int]:

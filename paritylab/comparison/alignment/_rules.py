@@ -34,6 +34,9 @@ class Rule:
     candidate_input: str | None = None
     candidate_input_order: Part | None = None
     """The reference's input features in the candidate's input (see :attr:`Pair.candidate_input_part`)."""
+    source: str = "rule"
+    """The pair's source: ``rule`` for the user's; ``weights`` for a rule the weights prove (a distributed merge's row
+    map: a reference projection's part of a fused one)."""
 
     def match(self, path: str) -> str | bool | None:
         """The candidate path for reference ``path``, ``None`` if deliberately unmatched, ``False`` if no match."""
@@ -204,7 +207,7 @@ def _by_rule(
         return Pair(
             call.key,
             key,
-            "run" if ref_input or cand_input else "rule",
+            "run" if ref_input or cand_input else rule.source,
             1.0,
             rule.reference_index,
             rule.candidate_index,

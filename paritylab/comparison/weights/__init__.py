@@ -25,6 +25,7 @@ from paritylab.comparison.weights._records import (
     WeightLedger,
     held,
 )
+from paritylab.comparison.weights._rows import RowBlock, row_blocks
 
 __all__ = [
     "NEAR",
@@ -32,9 +33,11 @@ __all__ = [
     "ROUNDING",
     "UNIQUE",
     "Held",
+    "RowBlock",
     "WeightFinding",
     "WeightLedger",
     "as_twins",
     "held",
+    "row_blocks",
     "weight_ledger",
 ]
