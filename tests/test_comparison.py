@@ -524,3 +524,33 @@ def test_cosine_of_a_candidate_whose_accumulated_square_cancels_below_zero_is_ze
     assert _cosine(1.0, 4.0, -1e-12) == 0.0
     assert _cosine(0.0, -1e-15, -1e-15) == 1.0
     assert _cosine(2.0, 4.0, 1.0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_same_shape_weights_exchanged_are_named_by_the_data_flow_not_the_activation(tmp_path, dtype):
+    """A conversion that swaps an MLP's gate and up weights: each projection pairs with the other's counterpart by
+    its weights and agrees, so only the data flow shows the bug (the activation is handed up's output). It was
+    blamed on the MLP's own code before; now the crossed module is named, with the one it was exchanged with."""
+    from paritylab.run.parity import check
+
+    reference = tiny_llama(num_hidden_layers=2)
+    candidate = tiny_llama(num_hidden_layers=2).to(dtype)
+    candidate.load_state_dict(reference.state_dict())
+    mlp = candidate.model.layers[1].mlp
+    with torch.no_grad():
+        gate = mlp.gate_proj.weight.clone()
+        mlp.gate_proj.weight.copy_(mlp.up_proj.weight)
+        mlp.up_proj.weight.copy_(gate)
+    result = check(reference, candidate, tmp_path, reference_call=forward, echo=None)
+    first = result.report.first_divergence
+    assert not result.report.passed and first is not None, result.report.summary()
+    assert first.path == "model.layers.1.mlp.up_proj"
+    assert first.candidate is not None and first.candidate.key == "model.layers.1.mlp.gate_proj#0"
+    assert (
+        "the candidate's model.layers.1.mlp.gate_proj computes the reference's model.layers.1.mlp.up_proj "
+        "(it holds its weights), and the candidate hands its output to model.layers.1.mlp.act_fn, where the "
+        "reference hands model.layers.1.mlp.act_fn model.layers.1.mlp.gate_proj's"
+    ) in (first.note or "")
+    gate_row = next(row for row in result.report.rows if row.path == "model.layers.1.mlp.gate_proj")
+    assert gate_row.candidate is not None and gate_row.candidate.key == "model.layers.1.mlp.up_proj#0"
+    assert gate_row.verdict == "pass"  # it computes the reference's gate projection exactly: the pairing is right

@@ -18,6 +18,7 @@ from paritylab.comparison.alignment import (
     Part,
     in_layout,
 )
+from paritylab.comparison.judgement import crossed_producer
 from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
 from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
 from paritylab.comparison.report import (
@@ -54,6 +55,7 @@ def attach_replay(
     floor_replay: Trace | None = None,
     lifted: LiftedReplay | None = None,
     floor_loosens_only: bool = False,
+    candidate: Trace | None = None,
 ) -> Report:
     """The free-run ``report`` judged again with the replay: a new report (``report`` is left as it is) whose
     rows' ``local`` hold the replay's error, the inherited (input) error and the amplification, with one
@@ -69,7 +71,9 @@ def attach_replay(
     float32 with the same weights (:mod:`paritylab.comparison.lifted`); a module whose own code differs there
     fails as well. ``floor_loosens_only`` (float32's floors against float64): a module's own error diverges when
     it is beyond both its tolerance and its floor, or, within its tolerance, when it is far beyond any rounding
-    float32 gives that module's code (:func:`_beyond_float32_rounding`).
+    float32 gives that module's code (:func:`_beyond_float32_rounding`). ``candidate``: the candidate's free run,
+    whose data flow (which call's output each call was handed) shows two agreeing modules exchanged (the replay's
+    own does not: a replaced output is a value its tracer never saw made).
     """
     lifted_rows = lifted.judged(tolerances) if lifted is not None else {}
     replay_report = compare_traces(reference, replay, alignment=report.alignment, tolerances=tolerances)
@@ -82,6 +86,11 @@ def attach_replay(
     reordered = reordered_rows(report.alignment, reference)
     fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
     exact = exact_pair(replay_report.rows)
+    counterparts = {
+        pair.candidate: pair.reference
+        for pair in report.alignment.pairs
+        if not (pair.reference_part or pair.candidate_part or pair.reference_input or pair.candidate_input)
+    }
     widest = widest_floors(reference, local_floor) if floor_loosens_only and local_floor else {}
     for row in report.rows:
         local = local_rows.get(row.index)
@@ -126,7 +135,9 @@ def attach_replay(
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs, floor_loosens_only):
-            blamed = _unreplaced_source(row, by_index, reference, received, reordered)
+            blamed = _crossed(row, by_index, reference, candidate or replay, counterparts) or _unreplaced_source(
+                row, by_index, reference, received, reordered
+            )
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
                 diverged, reason = False, None
@@ -324,6 +335,25 @@ def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRec
         return replay.call(fed_from.get(row.candidate.key, row.candidate.key))
     except KeyError:
         return None
+
+
+def _crossed(
+    row: Row, by_index: Mapping[int, Row], reference: Trace, replay: Trace, counterparts: Mapping[str, str]
+) -> tuple[Row, str] | None:
+    """The module whose counterpart's output the candidate hands ``row`` where the reference hands it another
+    module's (:func:`~paritylab.comparison.judgement.crossed_producer`), and why."""
+    crossed = crossed_producer(by_index, reference, replay, counterparts, row)
+    if crossed is None:
+        return None
+    handed, expected = crossed
+    assert handed.candidate is not None  # a compared row
+    made_by = handed.candidate.key.rsplit("#", 1)[0]
+    where = row.path or "<root>"
+    return handed, (
+        f"the candidate's {made_by} computes the reference's {handed.path} (it holds its weights), and the candidate "
+        f"hands its output to {where}, where the reference hands {where} {expected.path}'s: {handed.path} and "
+        f"{expected.path} are exchanged (their weights, swapped by a conversion, or the code's wiring)"
+    )
 
 
 def _unreplaced_source(

@@ -414,14 +414,24 @@ def judge_with_replay(
         floors = replace(floors, local_metrics=local_floors(reference_trace, replayed, report.alignment))
     local, own = (floors.local_metrics, floors.local_trace) if floors else (None, None)
     loosens = floors is not None and floors.loosens_only
-    judged = attach_replay(report, reference_trace, replayed, tolerances, local, own, lifted, loosens)
+    judged = attach_replay(
+        report, reference_trace, replayed, tolerances, local, own, lifted, loosens, candidate=candidate_trace
+    )
     suspect = floors is None and noise_floor != "off" and _float32_suspects(judged, reference, candidate)
     if suspect and reference is not None and reference_call is not None:
         why = "a float32 module's own error is beyond a few units of float32's rounding"
         floors = _float32_floors(reference, reference_call, reference_trace, directory, why, notes, echo)
         if floors is not None:
             judged = attach_replay(
-                report, reference_trace, replayed, tolerances, floors.local_metrics, None, lifted, True
+                report,
+                reference_trace,
+                replayed,
+                tolerances,
+                floors.local_metrics,
+                None,
+                lifted,
+                True,
+                candidate=candidate_trace,
             )
     if not judged.passed:
         add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
