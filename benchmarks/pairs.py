@@ -44,6 +44,7 @@ from tests.pairs import (
     PAIRS,
     SEED,
     WEIGHT_KINDS,
+    named_origin,
     planted,
     planted_weight,
     reference_side,
@@ -169,7 +170,7 @@ def clean_seeds(name: str, args: argparse.Namespace) -> list[str]:
                     reference=case.reference, reference_call=case.reference_call,
                 )  # fmt: skip
                 if not report.passed or report.first_divergence is not None:
-                    named = report.first_divergence.path if report.first_divergence else None
+                    named = named_origin(report)
                     alarms.append(f"{name} {dtype_name} seed {seed}: named {named}")
                 shutil.rmtree(base, ignore_errors=True)
     finally:
@@ -216,7 +217,7 @@ def run_pair(
     row["clean"] = "pass" if clean.passed and clean.first_divergence is None else "FAIL"
     misses = []
     if row["clean"] != "pass":
-        misses.append(f"{case.name} {row['dtype']} clean: {clean.first_divergence and clean.first_divergence.path}")
+        misses.append(f"{case.name} {row['dtype']} clean: {named_origin(clean)}")
     for site, expected in case.sites.items():
         if args.sites and not any(part in site for part in args.sites):
             continue
@@ -224,7 +225,7 @@ def run_pair(
             for size in args.sizes:
                 with planted(case.candidate, site, kind, size) as effect:
                     report = judge(f"{site}-{kind}-{size}")
-                named = report.first_divergence.path if report.first_divergence else None
+                named = named_origin(report)
                 if not effect["changed"]:  # the error rounded away from every value the candidate computes
                     row["no-op"] += 1
                     if named in expected:  # the code is wrong all the same: the lifted replay sees it
@@ -267,7 +268,7 @@ def weight_plants(case, row: dict, args: argparse.Namespace, judge) -> tuple[dic
                 continue
             with planted_weight(case.candidate, site, kind, probe=case.candidate_call) as effect:
                 report = judge(f"{site}-{kind}")
-            named = report.first_divergence.path if report.first_divergence else None
+            named = named_origin(report)
             verdict = "pass" if report.passed else "fail"
             plant = {
                 "pair": case.name, "dtype": row["dtype"], "site": site, "kind": kind, "tensor": tensor,

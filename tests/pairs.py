@@ -86,13 +86,22 @@ def esm_available() -> str | None:
     return None
 
 
+def mambapy_available() -> str | None:
+    """Why the SSM pair cannot run here, or None when it can."""
+    try:
+        from mambapy.mamba import Mamba  # noqa: F401
+    except Exception as error:
+        return f"mambapy is not importable ({type(error).__name__}: {error}); pip install '.[pairs]'"
+    return None
+
+
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
     if name in ("llava", "clip-text", "mixtral"):  # our ports; torch's own nn.TransformerEncoder
         return None
     checks = {
         "vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available,
-        "esm": esm_available,
+        "esm": esm_available, "mamba": mambapy_available,
     }  # fmt: skip
     return checks.get(name, transformer_lens_available)()
 
@@ -824,6 +833,117 @@ def mixtral_moe(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase
     return PairCase("mixtral/per-expert", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
+class MambapyLM(nn.Module):
+    """mambapy's language model around its ``Mamba`` backbone, as ``mambapy.lm.LM`` builds it (an embedding, the
+    residual blocks, a final RMSNorm, an untied head), with ``LM.forward``'s computation line for line. ``LM``
+    itself cannot be imported without ``mamba_ssm``, a CUDA package its Mamba-2 module imports at import time.
+    mambapy computes the selective scan's ``A`` and ``D`` in float32 and runs in low precision under autocast
+    (as its training does), so the forward autocasts to ``compute_dtype`` (float32: no autocast): a precision the
+    model names, which the lifted replay widens like TransformerLens' ``cfg.dtype``."""
+
+    def __init__(self, config: Any, vocab: int, compute_dtype: torch.dtype = torch.float32) -> None:
+        from mambapy.mamba import Mamba, RMSNorm
+
+        super().__init__()
+        self.compute_dtype = compute_dtype
+        self.embedding = nn.Embedding(vocab, config.d_model)
+        self.mamba = Mamba(config)
+        self.norm_f = RMSNorm(config.d_model, config.rms_norm_eps, config.mup)
+        self.lm_head = nn.Linear(config.d_model, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        low = self.compute_dtype != torch.float32
+        with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=low):
+            return self.lm_head(self.norm_f(self.mamba(self.embedding(tokens))))
+
+
+MAMBA_MODULES = {"embedding": "backbone.embeddings", "norm_f": "backbone.norm_f", "lm_head": "lm_head"}
+"""mambapy's modules outside the blocks and transformers' ``MambaForCausalLM`` counterparts."""
+MAMBA_LAYER = {
+    "": "",
+    "norm": "norm",
+    "mixer": "mixer",
+    "mixer.in_proj": "mixer.in_proj",
+    "mixer.conv1d": "mixer.conv1d",
+    "mixer.x_proj": "mixer.x_proj",
+    "mixer.dt_proj": "mixer.dt_proj",
+    "mixer.out_proj": "mixer.out_proj",
+}
+"""mambapy's ``mamba.layers.{i}.<key>`` and transformers' ``backbone.layers.{i}.<value>``: the same layout under
+other roots (the mixer holds ``A_log`` and ``D`` itself on both sides)."""
+
+
+def mamba_weights(reference: nn.Module, layers: int) -> dict[str, torch.Tensor]:
+    """transformers ``MambaForCausalLM``'s state dict in mambapy's names: each block's norm and mixer (``A_log``,
+    ``D``, ``in_proj``, the depthwise ``conv1d`` with its bias, ``x_proj``, ``dt_proj`` with its bias, ``out_proj``),
+    the final norm, the embedding, and the head, which transformers ties to the embedding and mambapy keeps apart
+    (the same values, copied)."""
+    weights = reference.state_dict()
+    modules = dict(MAMBA_MODULES)
+    for i in range(layers):
+        modules |= {
+            f"mamba.layers.{i}.{ours}".rstrip("."): f"backbone.layers.{i}.{theirs}".rstrip(".")
+            for ours, theirs in MAMBA_LAYER.items()
+            if ours
+        }
+    converted = {}
+    for ours, theirs in modules.items():
+        for kind in ("weight", "bias"):
+            if f"{theirs}.{kind}" in weights:
+                converted[f"{ours}.{kind}"] = weights[f"{theirs}.{kind}"].clone()
+    for i in range(layers):
+        for kind in ("A_log", "D"):
+            converted[f"mamba.layers.{i}.mixer.{kind}"] = weights[f"backbone.layers.{i}.mixer.{kind}"].clone()
+    converted["lm_head.weight"] = weights.get("lm_head.weight", weights["backbone.embeddings.weight"]).clone()
+    return converted
+
+
+def mamba_mambapy(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers ``MambaForCausalLM`` (the selective scan's reference path: a causal ``F.conv1d`` on the conv
+    module's weight, ``dt_proj``'s weight read by a matrix product, a sequential scan in float32, the residual and the
+    final norm kept in float32 in a low-precision model: ``residual_in_fp32``) against mambapy's pure-PyTorch Mamba
+    (``nn.Conv1d`` called as a module, a parallel scan, every norm and the residual in the model's dtype under
+    autocast, an untied head). The converted weights are transformers' own, renamed (:func:`mamba_weights`)."""
+    from mambapy.mamba import MambaConfig as MambapyConfig
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(
+        vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=layers, expand=2, conv_kernel=4,
+        layer_norm_epsilon=1e-5, use_cache=False,
+    )  # fmt: skip
+    reference = _seeded_reference(MambaForCausalLM, config)
+    mambapy_config = MambapyConfig(
+        d_model=64, n_layers=layers, d_state=8, expand_factor=2, d_conv=4, dt_rank=config.time_step_rank,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # every initial weight is replaced below
+        candidate = MambapyLM(mambapy_config, config.vocab_size, compute_dtype=dtype).eval()
+    missing, unexpected = candidate.load_state_dict(mamba_weights(reference, layers), strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    candidate = candidate.to(dtype)
+    ids = _ids(256)
+    sites = {ours: (theirs,) for ours, theirs in MAMBA_MODULES.items()}
+    weight_sites, unpaired = {}, []
+    for i in range(layers):
+        mixer = f"backbone.layers.{i}.mixer"
+        for ours, theirs in MAMBA_LAYER.items():
+            site = f"mamba.layers.{i}.{ours}".rstrip(".")
+            if ours in ("mixer.conv1d", "mixer.dt_proj"):
+                # transformers never calls either module: its mixer's own code runs F.conv1d on the conv's weight and
+                # multiplies by dt_proj's (mambapy calls its conv1d, and reads dt_proj's weight likewise). An error in
+                # the conv's output is the mixer's; a wrong weight is named at the module holding its counterpart
+                # (no call of it runs: the weight ledger names it, Report.weight_origin) or at the mixer reading it
+                weight_sites[site] = (f"{mixer}.{theirs.removeprefix('mixer.')}", mixer)
+                if ours == "mixer.conv1d":  # called on mambapy's side only: an output plant site, never paired
+                    sites[site], unpaired = (mixer,), [*unpaired, site]
+            else:
+                sites[site] = (f"backbone.layers.{i}.{theirs}".rstrip("."),)
+    return PairCase(
+        "mamba/mambapy", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
+        unpaired=tuple(unpaired), weight_sites=weight_sites,
+    )  # fmt: skip
+
+
 def transformer_lens_model(config: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A HookedTransformer holding weights converted by TransformerLens' own converter, unprocessed (no
     folded norms or centred weights: the same computation as the original)."""
@@ -865,6 +985,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "x-transformers": xtransformers_llama,
     "esm": esm_fair,
     "mixtral": mixtral_moe,
+    "mamba": mamba_mambapy,
 }
 KINDS = ("scale", "offset", "noise")
 
@@ -889,6 +1010,16 @@ def reference_side(case: PairCase, base: Path) -> tuple[Trace, Floors | None]:
     if low is not None:
         floors = estimate_floors(case.reference, case.reference_call, reference_trace, low, base, case.cast_inputs)
     return reference_trace, floors
+
+
+def named_origin(report: Any) -> str | None:
+    """The module a run names as where divergence starts, as its headline and ``report.json`` name it: a weight
+    no call runs is named at the module holding it (``Report.weight_origin``: a position table, a conv weight its
+    mixer's own code reads), else the first divergence's row; None when nothing diverges."""
+    table = report.weight_origin
+    if table is not None:
+        return str(table[0].reference_module)
+    return report.first_divergence.path if report.first_divergence is not None else None
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from paritylab.tracing.tracefile import Trace
 from tests.pairs import (
     PAIRS,
     WEIGHT_KINDS,
+    named_origin,
     planted,
     planted_weight,
     reference_side,
@@ -22,6 +23,7 @@ from tests.pairs import (
 )
 
 _MISSING = transformer_lens_available()
+_MAMBA = unavailable("mamba")
 PAIR_NAMES = [
     pytest.param(name, marks=pytest.mark.skipif(unavailable(name) is not None, reason=unavailable(name) or ""))
     for name in PAIRS
@@ -554,3 +556,44 @@ def test_a_weight_plant_restores_the_model_bit_for_bit():
     assert {kind for _, kind in planted_at} == set(WEIGHT_KINDS) - {"w-transpose", "table"}
     with pytest.raises(ValueError, match="skip it"), planted_weight(case.candidate, "transformer.layers.0", "table"):
         pass
+
+
+@pytest.mark.skipif(_MAMBA is not None, reason=_MAMBA or "")
+def test_a_bf16_ssm_whose_reference_keeps_its_residual_wider_passes_clean(tmp_path):
+    """transformers' Mamba cast to bf16 keeps its residual stream and its final norm in float32
+    (``residual_in_fp32``): its own bf16 floor at ``norm_f`` is 0. mambapy under bf16 autocast computes that norm in
+    bf16, on a bf16 residual. The row is judged against bf16's rounding, with a note that the precision policies
+    differ, and the clean pair passes (issue #43: it FAILed at ``backbone`` on every clean seed)."""
+    case = PAIRS["mamba"](torch.bfloat16)
+    reference_trace, floors = reference_side(case, tmp_path)
+    report = _judge(case, tmp_path, "clean", reference_trace, floors)
+    assert report.passed and report.first_divergence is None, [row.path for row in report.failing]
+    norm = next(row for row in report.rows if row.path == "backbone.norm_f")
+    assert norm.reference.dtype == "float32" and norm.candidate is not None and norm.candidate.dtype == "bfloat16"
+    assert norm.local["local_floor"] == 0.0  # the reference's own bf16 copy computes it in float32
+    assert 1e-3 < norm.local["local_rel_l2"] < 1e-2  # the candidate's bf16 rounding (3.4e-3 on these weights)
+    assert norm.local["lifted_rel_l2"] == 0.0  # the same code: equal in float32 with the same bf16 weights
+    assert "the two precision policies differ" in norm.note
+    mixers = [row for row in report.rows if row.path.endswith(".mixer")]
+    assert len(mixers) == 2 and all(row.local["lifted_rel_l2"] == 0.0 for row in mixers)
+
+
+@pytest.mark.skipif(_MAMBA is not None, reason=_MAMBA or "")
+def test_ssm_weights_no_module_call_reads_are_named_at_their_module(tmp_path):
+    """transformers' Mamba never calls ``dt_proj`` or ``conv1d``: its mixer's own code multiplies by the one's weight
+    and runs ``F.conv1d`` on the other's. A conversion that scales mambapy's ``dt_proj`` weight by 1.01 (bf16) is
+    named at the reference's ``dt_proj``, which holds its counterpart, with the mixer that reads it; a 1 % error in
+    mambapy's conv output (a module only mambapy calls) is the reference mixer's own code's."""
+    case = PAIRS["mamba"](torch.bfloat16)
+    reference_trace, floors = reference_side(case, tmp_path)
+    with planted_weight(case.candidate, "mamba.layers.1.mixer.dt_proj", "w-scale", probe=case.candidate_call) as e:
+        report = _judge(case, tmp_path, "dt_proj", reference_trace, floors)
+    assert e["changed"] and e["tensor"] == "mamba.layers.1.mixer.dt_proj.weight"
+    assert not report.passed and named_origin(report) == "backbone.layers.1.mixer.dt_proj"
+    finding = next(f for f in report.alignment.weights.differing if f.candidate == e["tensor"])
+    assert finding.reference == "backbone.layers.1.mixer.dt_proj.weight" and "scaled by 1.0" in finding.line()
+    assert report.weight_origin is not None and report.weight_origin[1].path == "backbone.layers.1.mixer"
+    with planted(case.candidate, "mamba.layers.0.mixer.conv1d", "scale", 1e-2) as effect:
+        report = _judge(case, tmp_path, "conv1d", reference_trace, floors)
+    assert effect["changed"] and not report.passed
+    assert named_origin(report) == "backbone.layers.0.mixer", report.first_divergence
