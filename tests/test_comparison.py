@@ -554,3 +554,60 @@ def test_two_same_shape_weights_exchanged_are_named_by_the_data_flow_not_the_act
     gate_row = next(row for row in result.report.rows if row.path == "model.layers.1.mlp.gate_proj")
     assert gate_row.candidate is not None and gate_row.candidate.key == "model.layers.1.mlp.up_proj#0"
     assert gate_row.verdict == "pass"  # it computes the reference's gate projection exactly: the pairing is right
+
+
+class _SeparateAttention(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
+        mixed = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+        return self.o(mixed.transpose(1, 2).flatten(-2))
+
+
+class _FusedAttention(_SeparateAttention):
+    """One qkv projection, split by position in its own code."""
+
+    def __init__(self, reference: _SeparateAttention) -> None:
+        super().__init__()
+        del self.q, self.k, self.v
+        self.qkv = nn.Linear(16, 48)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([reference.q.weight, reference.k.weight, reference.v.weight]))
+            self.qkv.bias.copy_(torch.cat([reference.q.bias, reference.k.bias, reference.v.bias]))
+            self.o.load_state_dict(reference.o.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self._split(part) for part in self.qkv(x).split(16, dim=-1))
+        mixed = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+        return self.o(mixed.transpose(1, 2).flatten(-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_projection_whose_parts_lie_out_of_order_is_named_not_the_code_that_splits_it(tmp_path, dtype):
+    """A conversion that exchanges the two halves of a fused qkv weight: q, k and v each pair with the rows they
+    occupy and agree, and the attention's code, splitting the output by position, hands each another part. Named
+    at the fused module's first part, with where each part lies; the clean fused port passes."""
+    from paritylab.run.parity import check
+
+    torch.manual_seed(0)
+    reference = _SeparateAttention().eval()
+    x = torch.randn(2, 5, 16)
+    call = lambda model: model(x.to(next(model.parameters()).dtype))  # noqa: E731
+    clean = check(reference, _FusedAttention(reference).to(dtype).eval(), tmp_path / "clean", reference_call=call)
+    assert clean.report.passed, clean.report.summary()
+    swapped = _FusedAttention(reference).to(dtype).eval()
+    with torch.no_grad():
+        swapped.qkv.weight.copy_(torch.cat([swapped.qkv.weight[24:], swapped.qkv.weight[:24]]))
+        swapped.qkv.bias.copy_(torch.cat([swapped.qkv.bias[24:], swapped.qkv.bias[:24]]))
+    result = check(reference, swapped, tmp_path / "swapped", reference_call=call, echo=None)
+    first = result.report.first_divergence
+    assert not result.report.passed and first is not None, result.report.summary()
+    assert first.path == "q" and first.candidate is not None and first.candidate.key == "qkv#0"
+    assert "qkv holds the reference's q at rows 24-39, k at rows 40-47, 0-7, v at rows 8-23" in (first.note or "")

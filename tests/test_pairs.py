@@ -597,3 +597,22 @@ def test_ssm_weights_no_module_call_reads_are_named_at_their_module(tmp_path):
         report = _judge(case, tmp_path, "conv1d", reference_trace, floors)
     assert effect["changed"] and not report.passed
     assert named_origin(report) == "backbone.layers.0.mixer", report.first_divergence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_projection_reordered_inside_a_container_with_no_counterpart_is_named(dtype, tmp_path):
+    """CLIP's text encoder against ``nn.TransformerEncoder``: the candidate computes the MLP in the layer's own code
+    (CLIP's ``mlp`` has no counterpart). The halves of ``linear2``'s rows exchanged: ``fc2`` agrees only with its
+    features reordered, and the layer adds it to its residual in its own order. Named at ``fc2`` through the
+    container, not at the layer (it was, before)."""
+    case = PAIRS["clip-text"](dtype)
+    reference_trace, floors = reference_side(case, tmp_path)
+    site = "transformer.layers.0.linear2"
+    with planted_weight(case.candidate, site, "w-halves", probe=case.candidate_call) as effect:
+        report = _judge(case, tmp_path, "halves", reference_trace, floors)
+    assert effect["changed"]
+    first = report.first_divergence
+    assert first is not None and first.path == "text_model.encoder.layers.0.mlp.fc2", report.summary()
+    assert "its output agrees only with its features in another order" in (first.note or "")
+    mlp = next(row for row in report.rows if row.path == "text_model.encoder.layers.0.mlp")
+    assert mlp.status == "unmatched"  # the container the search went through

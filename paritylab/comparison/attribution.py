@@ -12,9 +12,10 @@ counterpart, the parent's own code); and one culprit is named from both sides of
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from paritylab.comparison.alignment import (
+    Pair,
     Part,
     in_layout,
 )
@@ -86,6 +87,7 @@ def attach_replay(
     reordered = reordered_rows(report.alignment, reference)
     fed_from = {pair.candidate: pair.candidate_input or pair.candidate for pair in report.alignment.pairs}
     exact = exact_pair(replay_report.rows)
+    misordered = misordered_parts(report.alignment.pairs, reference, by_index)
     counterparts = {
         pair.candidate: pair.reference
         for pair in report.alignment.pairs
@@ -136,7 +138,7 @@ def attach_replay(
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs, floor_loosens_only):
             blamed = _crossed(row, by_index, reference, candidate or replay, counterparts) or _unreplaced_source(
-                row, by_index, reference, received, reordered
+                row, by_index, reference, received, reordered, misordered
             )
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
                 fed_wrong.setdefault(blamed[0].index, blamed)
@@ -356,8 +358,76 @@ def _crossed(
     )
 
 
+def misordered_parts(
+    pairs: Iterable[Pair], reference: Trace, by_index: Mapping[int, Row]
+) -> dict[int, tuple[Row, str]]:
+    """Fused candidate modules whose parts lie in another order than the reference computes them (its q, k and v
+    at rows 96-159, 160-191 and 0-31, 32-95 of a fused qkv: two halves of its weight swapped), by the reference
+    row of the module around those parts: the first part's row, and why. A port that fuses them splits its output
+    by position, so such a layout hands each consumer another part's values, while every part, paired by its
+    rows, agrees."""
+    by_candidate: dict[str, list[tuple[int, int, Part]]] = {}
+    for pair in pairs:
+        part = pair.candidate_part
+        if part is None or part.whole or pair.reference_part is not None:
+            continue
+        try:
+            call = reference.call(pair.reference)
+        except KeyError:
+            continue
+        start = part.indices[0] if part.indices else part.start
+        by_candidate.setdefault(pair.candidate, []).append((call.index, start, part))
+    found: dict[int, tuple[Row, str]] = {}
+    for candidate, parts in by_candidate.items():
+        parts.sort()
+        starts = [start for _, start, _ in parts]
+        if len(parts) < 2 or starts == sorted(starts):
+            continue
+        rows = [by_index[index] for index, _, _ in parts if index in by_index]
+        if len(rows) != len(parts) or any(row.verdict != "pass" for row in rows):
+            continue  # a part that differs is judged on its own values
+        enclosing = _common_parent(rows, by_index)
+        if enclosing is None:
+            continue
+        layout = ", ".join(f"{row.path} at {_where(part)}" for row, (_, _, part) in zip(rows, parts, strict=True))
+        note = (
+            f"{candidate.rsplit('#', 1)[0]} holds the reference's {layout}: not in the order the reference computes "
+            "them, so code that splits its output by position hands each consumer another part's values (two "
+            "blocks of its weight's rows exchanged)"
+        )
+        first = rows[0]
+        found[enclosing.index] = (first, note)
+    return found
+
+
+def _where(part: Part) -> str:
+    if part.indices:
+        runs, start = [], part.indices[0]
+        for before, after in zip(part.indices, [*part.indices[1:], None], strict=True):
+            if after != before + 1:
+                runs.append(f"{start}-{before}")
+                start = after if after is not None else start
+        return "rows " + ", ".join(runs)
+    return f"rows {part.start}-{(part.stop or 0) - 1}" if part.stop is not None else f"rows {part.start}-"
+
+
+def _common_parent(rows: list[Row], by_index: Mapping[int, Row]) -> Row | None:
+    """The innermost row above every one of ``rows``."""
+    chains = [list(ancestors(row, by_index)) for row in rows]
+    shared = set(chains[0]).intersection(*chains[1:])
+    for index in chains[0]:
+        if index in shared:
+            return by_index.get(index)
+    return None
+
+
 def _unreplaced_source(
-    row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int], reordered: set[int]
+    row: Row,
+    by_index: Mapping[int, Row],
+    reference: Trace,
+    received: set[int],
+    reordered: set[int],
+    misordered: Mapping[int, tuple[Row, str]] | None = None,
 ) -> tuple[Row, str] | None:
     """Where a value the replay could not replace was made: the module whose value the candidate changes after it
     (:func:`~paritylab.comparison.verify.verify_pairs` charged it) or with no counterpart that produced the row's
@@ -395,6 +465,8 @@ def _unreplaced_source(
         parent = outer  # it was given that value too: the code that made it is further out
     if parent is None:
         return None
+    if misordered and parent.index in misordered:  # its code splits a fused child whose parts lie out of order
+        return misordered[parent.index]
     note = f"its own code between its children gives {where} a value the reference does not, while every paired"
     return parent, note + " module before it was given the reference's values (isolated replay)"
 

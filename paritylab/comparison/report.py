@@ -668,7 +668,7 @@ def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[i
     swapped into heads, a layer adding an MLP's reordered output to its residual). Marks it the origin."""
     if not reordered:
         return None
-    inside = [other for other in rows if other.parent == row.index]
+    inside = _inside_through_unpaired(row, rows)
     turned = [other for other in inside if other.index in reordered and (not other.diverged or REORDERED in other.note)]
     if len(turned) != 1 or any(_unsure(other) for other in inside if other is not turned[0]):
         return None
@@ -678,6 +678,27 @@ def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[i
         finding = f"{REORDERED}, and {row.path or '<root>'}'s own code reads them in that order: {REORDERED_WHY}"
         child.note = f"{child.note}; {finding}" if child.note else finding
     return child
+
+
+def _inside_through_unpaired(row: Row, rows: list[Row]) -> list[Row]:
+    """The modules directly inside ``row``, and inside those of them that have no counterpart but hold paired
+    modules (a reference MLP container whose candidate computes its projections in the layer's own code, as
+    ``nn.TransformerEncoderLayer`` does): the container is not itself a module that differs, its children are
+    what was checked."""
+    children: dict[int, list[Row]] = {}
+    for other in rows:
+        if other.parent is not None:
+            children.setdefault(other.parent, []).append(other)
+    found: list[Row] = []
+    pending = list(children.get(row.index, []))
+    while pending:
+        other = pending.pop(0)
+        below = children.get(other.index, [])
+        if other.status == "unmatched" and not other.diverged and below:
+            pending.extend(below)
+        else:
+            found.append(other)
+    return found
 
 
 def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
