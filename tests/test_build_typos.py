@@ -27,3 +27,18 @@ def test_an_added_build_key_the_builder_does_not_take_says_what_was_meant():
     node = {"_target_": "paritylab.run.references.llava", "layrs": 2}
     with pytest.raises(ConfigError, match=r"takes no argument 'layrs' \(did you mean layers\?\); it takes: pre"):
         check_target("model.build", node)
+
+
+@pytest.mark.parametrize("override", ["candidate.build.scale=1", "+candidate.build.scale=1"])
+def test_a_key_under_a_section_that_is_null_here_says_where_it_goes(capsys, override):
+    """``candidate=port`` builds through ``candidate.ports.<family>.build``; its ``candidate.build`` is null, and
+    OmegaConf said only "Unexpected type for root: NoneType"."""
+    from paritylab.cli.app import preflight
+
+    with pytest.raises(SystemExit) as exited:
+        preflight(["model=llava", "candidate=port", override, "tracking=off"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "paritylab: bad configuration: candidate.build.scale cannot be set: candidate.build is null in this "
+        "configuration: set candidate.ports.llava.build.scale instead (see the keys with --cfg job)"
+    )

@@ -83,7 +83,7 @@ def preflight(argv: list[str]) -> None:
             if added:  # checked against the configuration before anything was added to it
                 check_additions(added, compose(_choices_only(variant, groups), config_dir, config_name))
         except Exception as error:
-            explained = explain(error, _base(variant, groups, config_dir, config_name), groups)
+            explained = explain(error, _base(variant, groups, config_dir, config_name), groups, variant)
             print(f"paritylab: bad configuration: {one_line(explained or error)}", file=sys.stderr)
             sys.exit(2)
 

@@ -91,9 +91,18 @@ def check_additions(keys: list[str], base: DictConfig) -> None:
             raise ConfigError(_unknown(key, known))
 
 
-def explain(error: BaseException, cfg: DictConfig | None, groups: Mapping[str, list[str]]) -> ConfigError | None:
-    """Hydra's composition error for a typo, as one line with the closest known name (``None``: not a typo)."""
+def explain(
+    error: BaseException, cfg: DictConfig | None, groups: Mapping[str, list[str]], overrides: Iterable[str] = ()
+) -> ConfigError | None:
+    """Hydra's composition error for a typo, as one line with the closest known name (``None``: not a typo).
+    ``overrides``: the command line's, to name the one that sets a key under a section that is null here."""
     text = str(error)
+    if _NULL_ROOT in text and cfg is not None:
+        for item in overrides:
+            key = item.lstrip("+~").split("=", 1)[0]
+            null = _null_prefix(cfg, key)
+            if null is not None:
+                return ConfigError(_under_null(key, null, known_keys(cfg)))
     found = _NOT_FOUND.search(text)
     if found is not None:
         group, choice = found.groups()
@@ -106,6 +115,36 @@ def explain(error: BaseException, cfg: DictConfig | None, groups: Mapping[str, l
     if missing is not None and cfg is not None:
         return ConfigError(_unknown(missing.group(1), known_keys(cfg)))
     return None
+
+
+_NULL_ROOT = "Unexpected type for root: NoneType"
+"""OmegaConf's words when an override sets a key inside a section that is null (``candidate.build`` under
+``candidate=port``, which builds through ``candidate.ports.<family>.build``)."""
+
+
+def _null_prefix(cfg: DictConfig, key: str) -> str | None:
+    """The first section on ``key``'s path that is null in ``cfg`` (``None``: none is)."""
+    node: Any = cfg
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1], start=1):
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node._get_node(part)
+        if node is None or node._is_none():
+            return ".".join(parts[:depth])
+    return None
+
+
+def _under_null(key: str, null: str, known: set[str]) -> str:
+    """Why ``key`` cannot be set (``null`` is null here), with the keys of that name that exist elsewhere in its
+    section (``candidate.ports.llava.build``)."""
+    section, name = null.split(".", 1)[0], null.rpartition(".")[2]
+    rest = key[len(null) + 1 :]
+    elsewhere = sorted(
+        other for other in known if other.startswith(section + ".") and other.endswith("." + name) and other != null
+    )
+    hint = f": set {elsewhere[0]}.{rest} instead" if elsewhere else ""
+    return f"{key} cannot be set: {null} is null in this configuration{hint} (see the keys with --cfg job)"
 
 
 def _unknown(key: str, known: set[str]) -> str:
