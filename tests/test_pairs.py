@@ -616,3 +616,22 @@ def test_a_projection_reordered_inside_a_container_with_no_counterpart_is_named(
     assert "its output agrees only with its features in another order" in (first.note or "")
     mlp = next(row for row in report.rows if row.path == "text_model.encoder.layers.0.mlp")
     assert mlp.status == "unmatched"  # the container the search went through
+
+
+def test_a_pair_the_values_refute_stays_refuted_when_a_bug_reaches_one_of_its_users(tmp_path):
+    """x-transformers' rotary module returns frequencies where transformers' returns cosines and sines: proposed by
+    order and shape, the pair is refuted because the attention layers using it agree. A block of one layer's value
+    rows loaded from the wrong place makes that layer disagree too; the other layer still agrees, which suffices:
+    the bug is named at the value projection, not at the rotary module (it was)."""
+    missing = unavailable("x-transformers")
+    if missing:
+        pytest.skip(missing)
+    case = PAIRS["x-transformers"](torch.float32)
+    reference_trace, floors = reference_side(case, tmp_path)
+    with planted_weight(case.candidate, "attn_layers.layers.0.1.to_v", "w-rows", probe=case.candidate_call) as e:
+        report = _judge(case, tmp_path, "rows", reference_trace, floors)
+    assert e["changed"]
+    first = report.first_divergence
+    assert first is not None and first.path == "model.layers.0.self_attn.v_proj", report.summary()
+    rotary = next(row for row in report.rows if row.path == "model.rotary_emb")
+    assert rotary.status == "unmatched" and "self_attn, which uses it," in rotary.note

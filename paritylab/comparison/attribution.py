@@ -11,6 +11,7 @@ counterpart, the parent's own code); and one culprit is named from both sides of
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -361,11 +362,11 @@ def _crossed(
 def misordered_parts(
     pairs: Iterable[Pair], reference: Trace, by_index: Mapping[int, Row]
 ) -> dict[int, tuple[Row, str]]:
-    """Fused candidate modules whose parts lie in another order than the reference computes them (its q, k and v
-    at rows 96-159, 160-191 and 0-31, 32-95 of a fused qkv: two halves of its weight swapped), by the reference
-    row of the module around those parts: the first part's row, and why. A port that fuses them splits its output
-    by position, so such a layout hands each consumer another part's values, while every part, paired by its
-    rows, agrees."""
+    """Fused candidate modules whose parts lie in another order than the reference computes them, one of them cut
+    in two (its q, k and v at rows 96-159, 160-191 and 0-31, 32-95 of a fused qkv: two halves of its weight
+    swapped), by the reference row of the module around those parts: the first part's row, and why. A port that
+    fuses them splits its output by position, so such a layout hands each consumer another part's values, while
+    every part, paired by its rows, agrees."""
     by_candidate: dict[str, list[tuple[int, int, Part]]] = {}
     for pair in pairs:
         part = pair.candidate_part
@@ -381,8 +382,8 @@ def misordered_parts(
     for candidate, parts in by_candidate.items():
         parts.sort()
         starts = [start for _, start, _ in parts]
-        if len(parts) < 2 or starts == sorted(starts):
-            continue
+        if len(parts) < 2 or starts == sorted(starts) or not any(_split(part) for _, _, part in parts):
+            continue  # in order, or a whole permutation of blocks (a port may fuse [up; gate] and split it so)
         rows = [by_index[index] for index, _, _ in parts if index in by_index]
         if len(rows) != len(parts) or any(row.verdict != "pass" for row in rows):
             continue  # a part that differs is judged on its own values
@@ -398,6 +399,13 @@ def misordered_parts(
         first = rows[0]
         found[enclosing.index] = (first, note)
     return found
+
+
+def _split(part: Part) -> bool:
+    """The part's rows are not one run: a block cut across a part's boundary (halves of a three-part weight
+    exchanged), which no layout a port means produces."""
+    indices = part.indices
+    return bool(indices) and any(after != before + 1 for before, after in itertools.pairwise(indices))
 
 
 def _where(part: Part) -> str:

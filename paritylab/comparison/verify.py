@@ -344,13 +344,17 @@ def _paired_outside(
 
 
 def _agreeing_user(row: Row, users: set[int], by_index: Mapping[int, Row], error: float) -> str | None:
-    """When every compared call that used ``row``'s output (else the nearest compared call enclosing it) differs
-    from its counterpart by far less than ``error`` (:data:`UNFELT`: the difference did not reach them, whatever
-    else a bug upstream changed), the first of them, said as "<path>, which uses it," (or "encloses"); else
-    ``None``."""
+    """When a compared call that used ``row``'s output differs from its counterpart by far less than ``error``
+    (:data:`UNFELT`: the difference did not reach it, whatever else a bug upstream changed), the first such, said as
+    "<path>, which uses it,"; with no compared user, when the nearest compared call enclosing it does ("encloses");
+    else ``None``. One user suffices: a value that wrong reaches every call that uses it, so a bug in one of them
+    (a rotary table used by every layer, one layer's projection wrong) cannot keep a refuted pair."""
     judged = [by_index[index] for index in sorted(users) if index in by_index]
     judged = [other for other in judged if other.status == "compared" and other.rel_l2 is not None]
     relation = "uses"
+    unfelt = [other for other in judged if (other.rel_l2 or 0.0) < UNFELT * error]
+    if unfelt:
+        return f"{unfelt[0].path or '<root>'}, which uses it,"
     if not judged:
         parent = by_index.get(row.parent) if row.parent is not None else None
         while parent is not None and (parent.status != "compared" or parent.rel_l2 is None):
