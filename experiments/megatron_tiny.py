@@ -12,7 +12,8 @@ column-parallel. Norms and the head are replicated.
 and up projections (``down(silu(gate(x)) * up(x))``): each rank fuses its rows of both into one ``gate_up`` Linear,
 ``[gate_r; up_r]``, as vLLM's ``MergedColumnParallelLinear`` does: a second layout of per-rank blocks.
 
-``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct.
+``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct. The port computes in
+the reference weights' dtype, or in ``options["dtype"]`` (``"bfloat16"``: a bfloat16 port of a float32 reference).
 """
 
 from __future__ import annotations
@@ -166,8 +167,11 @@ class Port(Reference):
         self.blocks = nn.ModuleList(Block(FusedAttention(size), mlp(size)) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.head.weight.dtype))  # a bfloat16 port of a float32 reference casts its input
 
-@takes_options("defect", "mlp", "scale")
+
+@takes_options("defect", "mlp", "scale", "dtype")
 def build(context: RankContext) -> nn.Module:
     """Rank ``context.rank``'s share of :class:`Reference` with the reference's weights (``context.state_dict()``);
     ``options["defect"]`` plants a bug (:data:`DEFECTS`)."""
@@ -179,7 +183,9 @@ def build(context: RankContext) -> nn.Module:
         raise ValueError(f"{HEADS} heads and an inner size of {INNER} must divide by the world size {size}")
     weights = context.state_dict()
     gated = context.options.get("mlp") == "gated"
-    model = Port(size, gated).eval().to(weights["head.weight"].dtype)  # the reference's dtype: a bf16 port of it
+    given = context.options.get("dtype")
+    dtype = getattr(torch, str(given)) if given is not None else weights["head.weight"].dtype  # else the reference's
+    model = Port(size, gated).eval().to(dtype)
     local, inner = WIDTH // size, INNER // size
     rows, inner_rows = slice(rank * local, (rank + 1) * local), slice(rank * inner, (rank + 1) * inner)
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from experiments import megatron_tiny
 from paritylab.distributed import check_variants
-from paritylab.distributed.rank_floors import RANK_MULTIPLE, REASON
+from paritylab.distributed.rank_floors import RANK_MULTIPLE, REASON, SYSTEMATIC_MULTIPLE
 from paritylab.reports.render import headline
 
 pytestmark = pytest.mark.skipif(
@@ -23,17 +23,23 @@ pytestmark = pytest.mark.skipif(
 TP_BUILDER = "experiments.tp_llama:build"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "port"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "bfloat16")],
+    ids=["float32", "bfloat16", "bfloat16-port-of-float32"],
+)
 def test_a_partial_sum_scaled_on_one_rank_before_the_all_reduce_is_charged_to_that_rank(
-    tmp_path: Path, dtype: torch.dtype
+    tmp_path: Path, dtype: torch.dtype, port: str | None
 ) -> None:
+    """``dtype``: the reference's (and the port's, unless ``port`` names another)."""
+    cast = {"dtype": port} if port is not None else {}
     variants: dict[str, dict[str, object]] = {
-        "clean": {},
-        "partial": {"defect": "partial_scaled"},  # rank 1's partial product of blocks.0.mlp.down times 1.5
-        "input": {"defect": "down_input_scaled"},  # rank 1's input shard of blocks.0.mlp.down times 1.5
+        "clean": {**cast},
+        "partial": {"defect": "partial_scaled", **cast},  # rank 1's partial product of blocks.0.mlp.down times 1.5
+        "input": {"defect": "down_input_scaled", **cast},  # rank 1's input shard of blocks.0.mlp.down times 1.5
     }
-    if dtype == torch.bfloat16:
-        variants["percent"] = {"defect": "up_scaled"}  # rank 1's shard of blocks.0.mlp.up's output times 1.01
+    if torch.bfloat16 in (dtype, getattr(torch, port or "float32")):
+        variants["percent"] = {"defect": "up_scaled", **cast}  # rank 1's shard of blocks.0.mlp.up's output times 1.01
     # 64 positions: more than a rank's 32 input features, so a difference is a function of one rank's piece or not
     x = torch.randn(4, 16, megatron_tiny.WIDTH, generator=torch.Generator().manual_seed(3)).to(dtype)
     results = check_variants(
@@ -67,9 +73,11 @@ def test_a_partial_sum_scaled_on_one_rank_before_the_all_reduce_is_charged_to_th
     assert "while rank 0's agrees" in found.message
     assert found.evidence["before"]["call"] == "blocks.0.mlp.down#0"
 
-    if dtype == torch.bfloat16:  # a hand-written port: named where it starts, with its rank, not late as all-ranks
-        percent = results["percent"]
-        _one_percent_on_rank_1(percent, "blocks.0.mlp.up")
+    if "percent" in results:  # a hand-written port: named where it starts, with its rank, not late as all-ranks
+        percent = _one_percent_on_rank_1(results["percent"], "blocks.0.mlp.up")
+        if port is not None:  # against float32, rounding every value: 1 % is under 3x the floor, its gain is not
+            assert percent.evidence["rank_errors"][1] < RANK_MULTIPLE * percent.evidence["rank_floors"][1]
+            assert "with a systematic gain or offset (z-score" in percent.message
 
 
 def test_a_one_percent_error_on_one_rank_of_a_bfloat16_dtensor_port_fails_naming_the_rank(tmp_path: Path) -> None:
@@ -109,7 +117,7 @@ def _one_percent_on_rank_1(result, module: str):  # type: ignore[no-untyped-def]
     assert finding is not None and (finding.module, finding.kind, finding.ranks) == (module, "rank", [1]), finding
     errors, floors = finding.evidence["rank_errors"], finding.evidence["rank_floors"]
     assert 0.008 < errors[1] < 0.015 and errors[0] < 0.005  # the 1 % on rank 1, rank 0 at bfloat16's rounding
-    assert errors[1] > RANK_MULTIPLE * floors[1] and errors[0] < RANK_MULTIPLE * floors[0]
+    assert errors[1] > SYSTEMATIC_MULTIPLE * floors[1] and errors[0] < SYSTEMATIC_MULTIPLE * floors[0]
     assert "beyond the per-rank floor: rank 1 rel_l2 0.01" in finding.message
     assert "per-rank floor: rank 1 beyond it" in first.note
     return finding

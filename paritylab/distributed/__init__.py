@@ -241,7 +241,7 @@ def compare_ranks(
     )
     weights = rank_weight_findings(reference, merged)
     add_rank_weights(report, weights)
-    floors = apply_rank_floors(report, merged)
+    floors = apply_rank_floors(report, merged, reference)
     finding = charge_rank_weights(report, localise(report, merged, launch, reference, floors), weights)
     annotate_ranks(report, merged, floors)
     result = DistributedResult(report, reference, merged, finding, directory, launch)

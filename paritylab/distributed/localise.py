@@ -149,7 +149,7 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
     base: dict[str, Any] = {"call": merge.call, "slot": merge.slot, "rule": merge.rule}
     evidence: dict[str, Any] = {"rank_errors": merge.errors, "rank_shapes": merge.shapes}
     agrees = _agrees(merge, floors)
-    beyond = floors.get((merge.call, merge.slot), [])
+    beyond = floors.get((merge.call, merge.slot), {})
     every = merge.holders
     if merge.rule == "stage" and agrees is not None and not any(agrees):
         message = (
@@ -220,7 +220,7 @@ def _agrees(merge: SlotMerge, floors: Floors) -> list[bool] | None:
     """Each holder's piece agrees: within the tolerance, and not beyond its per-rank floor."""
     if merge.agrees is None:
         return None
-    beyond = floors.get((merge.call, merge.slot), [])
+    beyond = floors.get((merge.call, merge.slot), {})
     return [ok and rank not in beyond for rank, ok in zip(merge.holders, merge.agrees, strict=True)]
 
 
