@@ -12,7 +12,8 @@ column-parallel. Norms and the head are replicated.
 and up projections (``down(silu(gate(x)) * up(x))``): each rank fuses its rows of both into one ``gate_up`` Linear,
 ``[gate_r; up_r]``, as vLLM's ``MergedColumnParallelLinear`` does: a second layout of per-rank blocks.
 
-``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct.
+``options["defect"]`` plants a conversion bug (:data:`DEFECTS`); without it the port is correct. The port computes in
+the reference weights' dtype, or in ``options["dtype"]`` (``"bfloat16"``: a bfloat16 port of a float32 reference).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ DEFECTS = {
     "k_block_from_v": "rank 1 loads its k rows of layer 0's fused qkv from v's rows (a wrong block)",
     "k_bias_scaled": "rank 1 loads its stretch of k's bias in layer 0's fused qkv bias scaled by 1.01",
     "up_block_scaled": "rank 1 loads its up rows of layer 0's fused gate_up scaled by 1.01 (with mlp=gated)",
+    "partial_scaled": "rank 1 scales its partial product of layer 0's MLP down projection before the all-reduce",
+    "up_scaled": "rank 1 scales its shard of layer 0's MLP up projection's output (a rank-local error)",
+    "down_input_scaled": "rank 1 scales its shard of the input of layer 0's MLP down projection (before its partial)",
 }
+"""Planted defects (``options["defect"]``); ``options["scale"]`` is the factor of ``partial_scaled`` and
+``down_input_scaled`` (default 1.5) and of ``up_scaled`` (default 1.01)."""
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -110,9 +116,13 @@ class RowParallel(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(WIDTH, inner))
         self.bias = nn.Parameter(torch.empty(WIDTH))
+        self.partial_scale: float | None = None
+        """A planted defect: this rank's partial product scaled before the all-reduce."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = x @ self.weight.T
+        if self.partial_scale is not None:
+            partial = partial * self.partial_scale
         dist.all_reduce(partial)
         return partial + self.bias
 
@@ -157,8 +167,11 @@ class Port(Reference):
         self.blocks = nn.ModuleList(Block(FusedAttention(size), mlp(size)) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.head.weight.dtype))  # a bfloat16 port of a float32 reference casts its input
 
-@takes_options("defect", "mlp")
+
+@takes_options("defect", "mlp", "scale", "dtype")
 def build(context: RankContext) -> nn.Module:
     """Rank ``context.rank``'s share of :class:`Reference` with the reference's weights (``context.state_dict()``);
     ``options["defect"]`` plants a bug (:data:`DEFECTS`)."""
@@ -170,7 +183,9 @@ def build(context: RankContext) -> nn.Module:
         raise ValueError(f"{HEADS} heads and an inner size of {INNER} must divide by the world size {size}")
     weights = context.state_dict()
     gated = context.options.get("mlp") == "gated"
-    model = Port(size, gated).eval()
+    given = context.options.get("dtype")
+    dtype = getattr(torch, str(given)) if given is not None else weights["head.weight"].dtype  # else the reference's
+    model = Port(size, gated).eval().to(dtype)
     local, inner = WIDTH // size, INNER // size
     rows, inner_rows = slice(rank * local, (rank + 1) * local), slice(rank * inner, (rank + 1) * inner)
     with torch.no_grad():
@@ -196,7 +211,25 @@ def build(context: RankContext) -> nn.Module:
             attention.o.bias.copy_(weights[f"{prefix}.attn.o.bias"])
             _load_mlp(block.mlp, weights, f"{prefix}.mlp", inner_rows, index == 0 and rank == 1 and defect)
         model.head.load_state_dict({name: weights[f"head.{name}"] for name in ("weight", "bias")})
+    _plant_rank_local(model, defect, rank, context.options.get("scale"))
     return model.to(context.device)
+
+
+def _plant_rank_local(model: Port, defect: object, rank: int, scale: object) -> None:
+    """The defects of one rank's computation (not its weights), planted on rank 1 in layer 0's MLP."""
+    if rank != 1 or defect not in ("partial_scaled", "up_scaled", "down_input_scaled"):
+        return
+    mlp = model.blocks[0].mlp
+    assert isinstance(mlp, ShardedMlp)
+    if defect == "partial_scaled":
+        assert isinstance(mlp.down, RowParallel)
+        mlp.down.partial_scale = float(scale) if scale is not None else 1.5  # type: ignore[arg-type]
+    elif defect == "down_input_scaled":
+        factor = float(scale) if scale is not None else 1.5  # type: ignore[arg-type]
+        mlp.down.register_forward_pre_hook(lambda module, args: (args[0] * factor,))
+    else:
+        factor = float(scale) if scale is not None else 1.01  # type: ignore[arg-type]
+        mlp.up.register_forward_hook(lambda module, args, output: output * factor)
 
 
 def _load_mlp(mlp: nn.Module, weights: dict[str, torch.Tensor], prefix: str, rows: slice, defect: object) -> None:

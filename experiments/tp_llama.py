@@ -33,11 +33,14 @@ DEFECTS = {
     "missing_all_reduce": "o_proj's partial products are returned without the all-reduce that sums them",
     "bias_every_rank": "down_proj's bias is added on every rank before the all-reduce (counted world_size times)",
     "swapped_gate_shards": "rank r holds gate_proj's shard world_size-1-r (the shards of the split are swapped)",
-    "rank1_scaled": "rank 1 alone scales down_proj's (reduced) output by 1.5, as a stray rank-local hook would",
+    "rank1_scaled": "rank 1 alone scales down_proj's (reduced) output by 1.5 (options['scale']), as a stray rank-local "
+    "hook would",
+    "rank1_up_scaled": "rank 1 alone scales its shard of up_proj's output by 1.01 (options['scale']): a rank-local "
+    "error",
     "rank1_raises": "rank 1 alone raises in down_proj's forward",
 }
 """Planted defects (``options["defect"]``) and what each does; ``options["layer"]`` picks the decoder layer
-(default 0)."""
+(default 0), ``options["scale"]`` the factor of ``rank1_scaled`` and ``rank1_up_scaled``."""
 
 
 def tp_plan(num_layers: int, *, defect: str | None = None, layer: int = 0) -> dict[str, ParallelStyle]:
@@ -54,7 +57,7 @@ def tp_plan(num_layers: int, *, defect: str | None = None, layer: int = 0) -> di
     return plan
 
 
-@takes_options("defect", "layer", "mesh")
+@takes_options("defect", "layer", "mesh", "scale")
 def build(context: RankContext) -> nn.Module:
     """The rank's share of a Llama whose config is ``options["config"]`` (a ``LlamaConfig.to_dict()``) and whose
     weights are the reference's (``context.state_dict()``), parallelised over all ranks; ``options["defect"]``
@@ -81,8 +84,10 @@ def build(context: RankContext) -> nn.Module:
             f"{heads} attention heads, {kv_heads} key/value heads and an intermediate size of "
             f"{config.intermediate_size} must all divide by the tensor-parallel size {size}"
         )
+    weights = context.state_dict()
     model = LlamaForCausalLM(config).eval()
-    model.load_state_dict(context.state_dict())
+    model.load_state_dict(weights)
+    model.to(next(iter(weights.values())).dtype)  # the reference's dtype: a bfloat16 reference gets a bfloat16 port
     model.to(context.device)
     parallelize_module(model, mesh, tp_plan(config.num_hidden_layers, defect=defect, layer=layer))
     block = model.model.layers[layer]
@@ -91,7 +96,11 @@ def build(context: RankContext) -> nn.Module:
     elif defect == "swapped_gate_shards":
         _swap_shards(block.mlp.gate_proj, context)
     elif defect == "rank1_scaled" and context.rank == 1:
-        block.mlp.down_proj.register_forward_hook(lambda module, args, output: output * 1.5)
+        factor = float(options.get("scale", 1.5))
+        block.mlp.down_proj.register_forward_hook(lambda module, args, output: output * factor)
+    elif defect == "rank1_up_scaled" and context.rank == 1:
+        factor = float(options.get("scale", 1.01))
+        block.mlp.up_proj.register_forward_hook(lambda module, args, output: output * factor)
     elif defect == "rank1_raises" and context.rank == 1:
         block.mlp.down_proj.register_forward_pre_hook(_raise)
     return model

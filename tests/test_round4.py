@@ -168,7 +168,7 @@ def test_options_on_a_candidate_that_is_not_distributed_are_refused(tmp_path: Pa
 
 
 def test_an_unknown_option_to_the_tp_builder_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
-    known = "it takes: config, defect, layer, mesh"
+    known = "it takes: config, defect, layer, mesh, scale"
     message = refused(["model=llama", "candidate=tp", "tracking=off", "+candidate.options.defetc=rank1_scaled"])
     assert message == (
         "candidate.options.defetc: paritylab.experiments.tp_llama:build takes no option 'defetc' "

@@ -43,6 +43,7 @@ from paritylab.distributed.launch import (
 from paritylab.distributed.localise import RankFinding, annotate_ranks, localise
 from paritylab.distributed.merge import MergedTrace, SlotMerge, merge_ranks
 from paritylab.distributed.rank import rank_directories, trace_rank
+from paritylab.distributed.rank_floors import apply_rank_floors
 from paritylab.distributed.rank_weights import add_rank_weights, charge_rank_weights, rank_weight_findings
 from paritylab.tracing.files import write_json
 from paritylab.tracing.tracefile import TRACE_FILE, Trace
@@ -240,8 +241,9 @@ def compare_ranks(
     )
     weights = rank_weight_findings(reference, merged)
     add_rank_weights(report, weights)
-    finding = charge_rank_weights(report, localise(report, merged, launch, reference), weights)
-    annotate_ranks(report, merged)
+    floors = apply_rank_floors(report, merged, reference)
+    finding = charge_rank_weights(report, localise(report, merged, launch, reference, floors), weights)
+    annotate_ranks(report, merged, floors)
     result = DistributedResult(report, reference, merged, finding, directory, launch)
     write_json(directory / SUMMARY_FILE, result.summary(), indent=1)
     return result

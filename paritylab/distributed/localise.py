@@ -13,14 +13,19 @@ pieces were combined and how each piece compares with the reference's matching p
     A concatenation whose every piece equals one of the reference's parts, but not its own: the shards are
     in the wrong order (rank r holds part k).
 ``rank``
-    Some ranks' pieces agree with the reference's matching parts and the others' do not: those ranks. Or the
-    module ran on one rank alone (a pipeline stage's) and its value differs: that rank.
+    Some ranks' pieces agree with the reference's matching parts and the others' do not (in bfloat16, a rank
+    beyond its per-rank floor does not: :mod:`.rank_floors`): those ranks. Or the module ran on one rank alone (a
+    pipeline stage's) and its value differs: that rank. Or every rank holds the same wrong value (an all-reduce's
+    result) and what some ranks contributed before the reduction is wrong: a piece of the module's input, or of an
+    input or output inside it, on which they alone disagree, or the difference being a linear function of their
+    input pieces alone (a partial product scaled on one rank before the all-reduce): those ranks.
 ``handoff``
     The module's output diverges while its input agrees, and inside it, between two calls made on different
     ranks, a child that ran on one rank returned a value that agrees and the next child, on another rank, was
     handed one that does not: the value one pipeline stage sent the next (ranks: sender, then receiver).
 ``all-ranks``
-    Every rank holds the same wrong value (or every piece is wrong): a defect in code every rank runs. When
+    Every rank holds the same wrong value (or every piece is wrong), and nothing before the reduction singles out
+    ranks: a defect in code every rank runs. When
     the difference is the same vector at every position, it is an offset such as a bias counted once per
     rank (a bias added before a row-parallel all-reduce).
 ``unattributed``
@@ -40,6 +45,7 @@ import torch
 from paritylab.comparison.report import Report, Row, slot_value
 from paritylab.distributed.launch import LaunchResult
 from paritylab.distributed.merge import MergedTrace, SlotMerge, rank_list
+from paritylab.distributed.rank_floors import Floors, floor_line, rank_floors
 from paritylab.tracing.tracefile import Trace, display_path
 from paritylab.tracing.values import first_tensor_slot, iter_tensors
 
@@ -78,8 +84,16 @@ class RankFinding:
         }
 
 
-def localise(report: Report, merged: MergedTrace, launch: LaunchResult | None, reference: Trace) -> RankFinding | None:
-    """The finding for ``report``'s first divergence (or for a rank's error), ``None`` when parity holds."""
+def localise(
+    report: Report,
+    merged: MergedTrace,
+    launch: LaunchResult | None,
+    reference: Trace,
+    floors: Floors | None = None,
+) -> RankFinding | None:
+    """The finding for ``report``'s first divergence (or for a rank's error), ``None`` when parity holds.
+    ``floors``: the ranks beyond their per-rank floors per slot (:func:`.rank_floors.apply_rank_floors`), which
+    differ there whatever the tolerance says."""
     if report.errors or (launch is not None and not launch.ok):
         return _error_finding(report, launch)
     row = report.first_divergence
@@ -89,12 +103,12 @@ def localise(report: Report, merged: MergedTrace, launch: LaunchResult | None, r
     if merge is None:
         return RankFinding(row.path, "unattributed", [], f"{_where(row)}: no merge record for the compared slot",
                            row.candidate.key, row.candidate.slot)  # fmt: skip
-    finding = _handoff(row, report, merged, reference) or _from_merge(row, merge, merged, reference)
+    finding = _handoff(row, report, merged, reference) or _from_merge(row, merge, merged, reference, floors or {})
     row.note = "; ".join(filter(None, [row.note, finding.message]))  # the report and its renderings show it
     return finding
 
 
-def annotate_ranks(report: Report, merged: MergedTrace) -> int:
+def annotate_ranks(report: Report, merged: MergedTrace, floors: Floors | None = None) -> int:
     """Add to each compared row whose ranks' pieces disagree with one another in how they compare with the
     reference (some agree, some do not) a note with every rank's error, so the report shows per-rank detail
     where ranks differ. Returns how many rows were annotated."""
@@ -103,11 +117,12 @@ def annotate_ranks(report: Report, merged: MergedTrace) -> int:
         if row.candidate is None or row.status != "compared":
             continue
         merge = merged.slot(row.candidate.key, row.candidate.slot or "")
-        if merge is None or merge.agrees is None or merge.errors is None or len(set(merge.agrees)) < 2:
+        agrees = _agrees(merge, floors or {}) if merge is not None else None
+        if merge is None or agrees is None or merge.errors is None or len(set(agrees)) < 2:
             continue
         if merge.rule == "rows" and not row.diverged:
             continue  # the ranks' errors are over the whole merged output; the part this row compares agrees
-        pieces = zip(merge.holders, merge.agrees, merge.errors, strict=True)
+        pieces = zip(merge.holders, agrees, merge.errors, strict=True)
         line = "per rank: " + ", ".join(
             f"rank {rank} {'agrees' if ok else 'differs'} (rel_l2 {error:.2g})" for rank, ok, error in pieces
         )
@@ -129,11 +144,12 @@ def _error_finding(report: Report, launch: LaunchResult | None) -> RankFinding:
     return RankFinding(str(error.get("module") or ""), "error", ranks, message)
 
 
-def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trace) -> RankFinding:
+def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trace, floors: Floors) -> RankFinding:
     where = _where(row)
     base: dict[str, Any] = {"call": merge.call, "slot": merge.slot, "rule": merge.rule}
     evidence: dict[str, Any] = {"rank_errors": merge.errors, "rank_shapes": merge.shapes}
-    agrees = merge.agrees
+    agrees = _agrees(merge, floors)
+    beyond = floors.get((merge.call, merge.slot), {})
     every = merge.holders
     if merge.rule == "stage" and agrees is not None and not any(agrees):
         message = (
@@ -171,6 +187,10 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
             f"{where}: {rank_list(wrong)}'s {piece} differs from the reference's ({_errors(merge, wrong)}); "
             f"{rank_list(right)}'s agrees"
         )
+        if beyond:
+            dtype = row.candidate.dtype if row.candidate is not None else None
+            message += f": within the dtype's tolerance, beyond the per-rank floor: {floor_line(merge, beyond, dtype)}"
+            evidence["rank_floors"] = rank_floors(merge, dtype)
         return RankFinding(row.path, "rank", wrong, message, evidence=evidence, **base)
     if agrees is not None and not any(agrees):
         message = f"{where}: every rank's {'shard' if merge.rule in ('concat', 'shard', 'rows') else 'value'} is wrong"
@@ -184,11 +204,121 @@ def _from_merge(row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trac
                 f"{offset:.3g}): a bias counted more than once, e.g. added on every rank before the all-reduce"
             )
         else:
+            before = _before_reduction(row, merge, merged, reference, floors)
+            if before is not None:
+                wrong, line, more = before
+                evidence.update(more)
+                return RankFinding(row.path, "rank", wrong, f"{message}; {line}", evidence=evidence, **base)
             message += ": the defect is in code every rank runs"
         return RankFinding(row.path, "all-ranks", every, message, evidence=evidence, **base)
     reason = merge.note or f"merged by rule {merge.rule!r}"
     return RankFinding(row.path, "unattributed", [], f"{where}: no rank can be singled out ({reason})",
                        evidence=evidence, **base)  # fmt: skip
+
+
+def _agrees(merge: SlotMerge, floors: Floors) -> list[bool] | None:
+    """Each holder's piece agrees: within the tolerance, and not beyond its per-rank floor."""
+    if merge.agrees is None:
+        return None
+    beyond = floors.get((merge.call, merge.slot), {})
+    return [ok and rank not in beyond for rank, ok in zip(merge.holders, merge.agrees, strict=True)]
+
+
+def _before_reduction(
+    row: Row, merge: SlotMerge, merged: MergedTrace, reference: Trace, floors: Floors
+) -> tuple[list[int], str, dict[str, Any]] | None:
+    """The ranks whose contribution to a value every rank holds the same (an all-reduce's result) is wrong, a line
+    saying why, and the evidence; ``None`` when nothing singles them out. Read in order: a piece of the module's
+    input, or of an input or output inside it, on which some ranks agree with the reference and the others do not (what
+    those ranks computed before the reduction); else the difference of the output is a linear function of some
+    ranks' pieces of the module's input alone (a row-parallel projection whose partial product one rank scaled, or
+    computed with a wrong weight, before the all-reduce: :func:`_explained_by`)."""
+    assert row.candidate is not None
+    for piece in _inner_slots(merged, row.candidate.key):
+        agrees = _agrees(piece, floors)
+        if agrees is None or all(agrees) or not any(agrees):
+            continue
+        wrong = [rank for rank, ok in zip(piece.holders, agrees, strict=True) if not ok]
+        right = [rank for rank, ok in zip(piece.holders, agrees, strict=True) if ok]
+        path = display_path(piece.call.rsplit("#", 1)[0])
+        line = (
+            f"before the reduction, {rank_list(wrong)}'s piece of {path}'s {piece.slot} differs from the reference's "
+            f"({_errors(piece, wrong)}) while {rank_list(right)}'s agrees: what {rank_list(wrong)} contributed is "
+            "wrong, not code every rank runs"
+        )
+        return wrong, line, {"before": {"call": piece.call, "slot": piece.slot, "rank_errors": piece.errors}}
+    explained = _explained_by(row, merged, reference)
+    if explained is None:
+        return None
+    wrong, shares = explained
+    others = ", ".join(f"rank {rank} {share:.2g}" for rank, share in shares.items() if rank not in wrong)
+    line = (
+        f"before the all-reduce: the difference is a linear function of {rank_list(wrong)}'s piece of its input "
+        f"alone (unexplained share {', '.join(f'{shares[rank]:.2g}' for rank in wrong)}; {others} for the other "
+        f"pieces): {rank_list(wrong)}'s partial product is wrong (scaled, or a wrong weight), not code every rank runs"
+    )
+    return wrong, line, {"unexplained_share": shares}
+
+
+EXPLAINED = 0.1
+"""A rank's input piece explains an output's difference when the least-squares residual of the difference on it is
+at most this share of the difference; every other rank's must leave at least :data:`UNEXPLAINED`."""
+UNEXPLAINED = 0.25
+
+
+def _explained_by(row: Row, merged: MergedTrace, reference: Trace) -> tuple[list[int], dict[int, float]] | None:
+    """For a module whose output every rank holds the same (``replicated``) and whose input is concatenated from
+    the ranks' pieces along its last dimension (a row-parallel projection's): the ranks whose input piece alone
+    explains the output's difference from the reference (``difference ≈ piece @ B`` for some ``B``), with each
+    rank's unexplained share; ``None`` when no single group of ranks does, or the positions are too few to tell
+    (no more than a piece's features)."""
+    assert row.candidate is not None
+    key = row.candidate.key
+    call = merged.trace.call(key)
+    slot = first_tensor_slot(call.inputs, "inputs")
+    given = merged.slot(key, slot) if slot is not None else None
+    if given is None or slot is None or given.rule not in ("concat", "shard") or given.dim is None:
+        return None
+    expected = slot_value(reference, row.reference.key, row.reference.slot)
+    actual = slot_value(merged.trace, key, row.candidate.slot)
+    if expected is None or actual is None or expected.shape != actual.shape or expected.dim() < 2:
+        return None
+    difference = (actual.double() - expected.double()).reshape(-1, expected.shape[-1])
+    pieces = [merged.rank_value(key, slot, rank) for rank in given.holders]
+    if any(piece is None or piece.dim() != given.dim + 1 for piece in pieces):
+        return None  # only a split of the last dimension: the features a projection multiplies
+    shares: dict[int, float] = {}
+    total = float(torch.linalg.vector_norm(difference))
+    for rank, piece in zip(given.holders, pieces, strict=True):
+        assert piece is not None
+        features = piece.double().reshape(-1, piece.shape[-1])
+        if total == 0.0 or features.shape[0] != difference.shape[0] or features.shape[0] <= features.shape[1]:
+            return None
+        fitted = features @ torch.linalg.lstsq(features, difference).solution
+        shares[rank] = float(torch.linalg.vector_norm(difference - fitted)) / total
+    wrong = [rank for rank, share in shares.items() if share <= EXPLAINED]
+    if (
+        not wrong
+        or len(wrong) == len(shares)
+        or any(shares[rank] < UNEXPLAINED for rank in shares if rank not in wrong)
+    ):
+        return None
+    return wrong, shares
+
+
+def _inner_slots(merged: MergedTrace, key: str) -> list[SlotMerge]:
+    """The merge records of call ``key``'s inputs, then of the inputs and outputs of the calls made inside it, in
+    trace order."""
+    by_call: dict[str, list[SlotMerge]] = {}
+    for merge in merged.slots.values():
+        by_call.setdefault(merge.call, []).append(merge)
+    inside = {merged.trace.call(key).index}
+    found = [merge for merge in by_call.get(key, []) if merge.slot.startswith("inputs")]
+    for call in sorted(merged.trace.calls, key=lambda call: call.index):
+        if call.parent in inside and call.index not in inside:
+            inside.add(call.index)
+            found += sorted(by_call.get(call.key, []), key=lambda merge: not merge.slot.startswith("inputs"))
+    return found
 
 
 def _handoff(row: Row, report: Report, merged: MergedTrace, reference: Trace) -> RankFinding | None:
