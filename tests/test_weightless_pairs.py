@@ -104,7 +104,8 @@ def test_a_weightless_activation_is_not_paired_with_an_experts_projection(tmp_pa
     assert clean.verdict == "pass", clean.report.first_divergence
     alignment = clean.report.alignment
     by_reference = alignment.by_reference()
-    # before: moe.act_fn#0 was paired with moe.experts.0.w1#0 (output [5, 12] both), by order and shape
+    # before: moe.act_fn#0 was paired with moe.experts.0.w1#0 (output [5, 12] both) by order and shape, then undone by
+    # values here (moe, around it, agrees), but not where a bug makes moe differ by as much (below)
     assert not [key for key in by_reference if key.startswith("moe.act_fn")]
     assert {"moe.act_fn#0", "moe.act_fn#1"} <= set(alignment.unmatched_reference)
     assert {"moe.experts.0.w1#0", "moe.experts.1.w1#0"} <= set(alignment.unmatched_candidate)
@@ -119,7 +120,7 @@ def test_experts_in_reverse_order_are_named_at_the_experts_module_not_at_the_act
     result = _check(tmp_path, reference, candidate, "reversed")
     assert result.verdict == "fail"
     report = result.report
-    # before: "divergence starts at moe.act_fn (own error 1.04)", paired with moe.experts.0.w1
+    # before: "divergence starts at moe.act_fn (own error 1.932)", paired with moe.experts.1.w1 (called first here)
     assert report.first_divergence is not None and report.first_divergence.path == "moe"
     assert report.first_divergence.rel_l2 is not None and report.first_divergence.rel_l2 > 0.5
     assert not [row for row in report.rows if row.path == "moe.act_fn" and row.status == "compared"]
