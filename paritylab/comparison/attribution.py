@@ -11,16 +11,13 @@ counterpart, the parent's own code); and one culprit is named from both sides of
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from paritylab.comparison.alignment import (
-    Pair,
     Part,
     in_layout,
 )
-from paritylab.comparison.judgement import crossed_producer
 from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
 from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
 from paritylab.comparison.report import (
@@ -44,6 +41,7 @@ from paritylab.comparison.report import (
     unmatched_maker,
 )
 from paritylab.comparison.verify import CHANGED_AFTER
+from paritylab.comparison.wiring import crossed, misordered_parts
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.values import iter_tensors
 
@@ -138,7 +136,7 @@ def attach_replay(
         comparable = bool(row.input_metrics)  # the free run found its inputs to be counterparts (data flow)
         inputs = (reference.calls[row.input_call], _input_call(replay, fed_from, row))
         if diverged and comparable and _fed_wrong(local, floor, row.reference.dtype, *inputs, floor_loosens_only):
-            blamed = _crossed(row, by_index, reference, candidate or replay, counterparts) or _unreplaced_source(
+            blamed = crossed(row, by_index, reference, candidate or replay, counterparts) or _unreplaced_source(
                 row, by_index, reference, received, reordered, misordered
             )
             if blamed is not None:  # not its own error: it was given a value the replay could not replace
@@ -338,95 +336,6 @@ def _input_call(replay: Trace, fed_from: Mapping[str, str], row: Row) -> CallRec
         return replay.call(fed_from.get(row.candidate.key, row.candidate.key))
     except KeyError:
         return None
-
-
-def _crossed(
-    row: Row, by_index: Mapping[int, Row], reference: Trace, replay: Trace, counterparts: Mapping[str, str]
-) -> tuple[Row, str] | None:
-    """The module whose counterpart's output the candidate hands ``row`` where the reference hands it another
-    module's (:func:`~paritylab.comparison.judgement.crossed_producer`), and why."""
-    crossed = crossed_producer(by_index, reference, replay, counterparts, row)
-    if crossed is None:
-        return None
-    handed, expected = crossed
-    assert handed.candidate is not None  # a compared row
-    made_by = handed.candidate.key.rsplit("#", 1)[0]
-    where = row.path or "<root>"
-    return handed, (
-        f"the candidate's {made_by} computes the reference's {handed.path} (it holds its weights), and the candidate "
-        f"hands its output to {where}, where the reference hands {where} {expected.path}'s: {handed.path} and "
-        f"{expected.path} are exchanged (their weights, swapped by a conversion, or the code's wiring)"
-    )
-
-
-def misordered_parts(
-    pairs: Iterable[Pair], reference: Trace, by_index: Mapping[int, Row]
-) -> dict[int, tuple[Row, str]]:
-    """Fused candidate modules whose parts lie in another order than the reference computes them, one of them cut
-    in two (its q, k and v at rows 96-159, 160-191 and 0-31, 32-95 of a fused qkv: two halves of its weight
-    swapped), by the reference row of the module around those parts: the first part's row, and why. A port that
-    fuses them splits its output by position, so such a layout hands each consumer another part's values, while
-    every part, paired by its rows, agrees."""
-    by_candidate: dict[str, list[tuple[int, int, Part]]] = {}
-    for pair in pairs:
-        part = pair.candidate_part
-        if part is None or part.whole or pair.reference_part is not None:
-            continue
-        try:
-            call = reference.call(pair.reference)
-        except KeyError:
-            continue
-        start = part.indices[0] if part.indices else part.start
-        by_candidate.setdefault(pair.candidate, []).append((call.index, start, part))
-    found: dict[int, tuple[Row, str]] = {}
-    for candidate, parts in by_candidate.items():
-        parts.sort()
-        starts = [start for _, start, _ in parts]
-        if len(parts) < 2 or starts == sorted(starts) or not any(_split(part) for _, _, part in parts):
-            continue  # in order, or a whole permutation of blocks (a port may fuse [up; gate] and split it so)
-        rows = [by_index[index] for index, _, _ in parts if index in by_index]
-        if len(rows) != len(parts) or any(row.verdict != "pass" for row in rows):
-            continue  # a part that differs is judged on its own values
-        enclosing = _common_parent(rows, by_index)
-        if enclosing is None:
-            continue
-        layout = ", ".join(f"{row.path} at {_where(part)}" for row, (_, _, part) in zip(rows, parts, strict=True))
-        note = (
-            f"{candidate.rsplit('#', 1)[0]} holds the reference's {layout}: not in the order the reference computes "
-            "them, so code that splits its output by position hands each consumer another part's values (two "
-            "blocks of its weight's rows exchanged)"
-        )
-        first = rows[0]
-        found[enclosing.index] = (first, note)
-    return found
-
-
-def _split(part: Part) -> bool:
-    """The part's rows are not one run: a block cut across a part's boundary (halves of a three-part weight
-    exchanged), which no layout a port means produces."""
-    indices = part.indices
-    return bool(indices) and any(after != before + 1 for before, after in itertools.pairwise(indices))
-
-
-def _where(part: Part) -> str:
-    if part.indices:
-        runs, start = [], part.indices[0]
-        for before, after in zip(part.indices, [*part.indices[1:], None], strict=True):
-            if after != before + 1:
-                runs.append(f"{start}-{before}")
-                start = after if after is not None else start
-        return "rows " + ", ".join(runs)
-    return f"rows {part.start}-{(part.stop or 0) - 1}" if part.stop is not None else f"rows {part.start}-"
-
-
-def _common_parent(rows: list[Row], by_index: Mapping[int, Row]) -> Row | None:
-    """The innermost row above every one of ``rows``."""
-    chains = [list(ancestors(row, by_index)) for row in rows]
-    shared = set(chains[0]).intersection(*chains[1:])
-    for index in chains[0]:
-        if index in shared:
-            return by_index.get(index)
-    return None
 
 
 def _unreplaced_source(

@@ -394,7 +394,7 @@ def producer_row(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> R
     current = row
     while True:
         where = current.input_call
-        node = _primary_input(reference.calls[where]) if where < len(reference.calls) else None
+        node = primary_input(reference.calls[where]) if where < len(reference.calls) else None
         origin = node.get("from") if node else None
         if not isinstance(origin, int) or origin in seen or origin not in rows_by_index:
             return None
@@ -403,37 +403,6 @@ def producer_row(rows_by_index: dict[int, Row], reference: Trace, row: Row) -> R
         if producer.status != "identity":
             return producer
         current = producer
-
-
-def crossed_producer(
-    rows_by_index: Mapping[int, Row], reference: Trace, candidate: Trace, counterparts: Mapping[str, str], row: Row
-) -> tuple[Row, Row] | None:
-    """Two paired modules that agree, crossed on the way to ``row``: the candidate hands ``row`` the output of the
-    counterpart of one module (returned first) where the reference hands it another's (second), both whole pairs
-    that agree. Two same-shape weights exchanged by a conversion (gate and up projections) pair crosswise by
-    their weights, so every pair agrees and only the data flow shows it. ``counterparts`` maps candidate call keys
-    to reference call keys (whole pairs only)."""
-    expected = producer_row(dict(rows_by_index), reference, row)
-    if expected is None or row.candidate is None or expected.verdict != "pass":
-        return None
-    try:
-        call = candidate.call(row.candidate.key)
-    except KeyError:
-        return None
-    node = _primary_input(call)
-    origin = node.get("from") if node else None
-    if not isinstance(origin, int) or not 0 <= origin < len(candidate.calls):
-        return None
-    given = counterparts.get(candidate.calls[origin].key)
-    if given is None or given == expected.reference.key:
-        return None
-    try:
-        handed = rows_by_index.get(reference.call(given).index)
-    except KeyError:
-        return None
-    if handed is None or handed.verdict != "pass" or handed.status != "compared":
-        return None
-    return handed, expected
 
 
 def ancestors(row: Row, by_index: Mapping[int, Row]) -> Iterator[int]:
@@ -453,6 +422,6 @@ def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
     return sorted((row for row in rows if row.index not in above), key=lambda row: row.index)
 
 
-def _primary_input(call: CallRecord) -> Node | None:
+def primary_input(call: CallRecord) -> Node | None:
     slot = first_tensor_slot(call.inputs, "inputs")
     return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None

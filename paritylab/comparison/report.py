@@ -43,9 +43,9 @@ from paritylab.comparison.judgement import (
     Report,
     Row,
     Side,
-    _primary_input,
     ancestors,
     innermost,
+    primary_input,
     producer_row,
     relative_error,
 )
@@ -352,7 +352,7 @@ def _compare_pair(
     cand_input_call = candidate.call(pair.candidate_input) if pair.candidate_input else cand_call
     if ref_input_call is not ref_call:  # paired with the last of a run of modules: the run's first's input
         row.input_index = ref_input_call.index
-    ref_in, cand_in = _primary_input(ref_input_call), _primary_input(cand_input_call)
+    ref_in, cand_in = primary_input(ref_input_call), primary_input(cand_input_call)
     if ref_in is not None and cand_in is not None and _floating(ref_in) != _floating(cand_in):
         ref_in = cand_in = None  # token ids against a float mask: another input, not another value of one
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
@@ -653,7 +653,7 @@ def reordered_maker(row: Row, rows: list[Row], reference: Trace, reordered: set[
             return maker
         if maker.status != "identity":
             return None
-        handed = _primary_input(reference.calls[made])  # a call returning its input: what made that input
+        handed = primary_input(reference.calls[made])  # a call returning its input: what made that input
         made = handed.get("from") if handed is not None else None
     return None
 
