@@ -82,3 +82,12 @@ def migrated_store(path: Path) -> str:
     if not path.exists():
         shutil.copyfile(_TEMPLATE[0], path)
     return f"sqlite:///{path}"
+
+
+def ctrl_c_heard() -> None:
+    """A terminal's foreground job hears Ctrl-C; a test run from a background shell (``&``, nohup) inherits SIGINT
+    ignored, and so would the run it starts: give the run the terminal's default (``preexec_fn`` of a process a
+    test sends SIGINT to)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paritylab.distributed.launch import LaunchSpec, RankContext, prepare, run_ranks
+from tests.helpers import ctrl_c_heard
 
 pytestmark = pytest.mark.skipif(
     not (sys.platform.startswith("linux") and dist.is_available() and dist.is_gloo_available()),
@@ -111,7 +112,7 @@ def test_a_ctrl_c_to_the_launcher_ends_the_ranks_and_what_they_started(tmp_path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env,
+        env=env, preexec_fn=ctrl_c_heard,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not (tmp_path / "rank0.pids").exists() and time.monotonic() < deadline and launcher.poll() is None:

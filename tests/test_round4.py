@@ -251,7 +251,7 @@ def test_world_size_64_on_a_small_machine_is_refused_before_any_rank_starts(tmp_
 def test_ctrl_c_into_a_joblib_sweep_closes_every_job_it_started_and_writes_each_run_json(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    from tests.helpers import migrated_store
+    from tests.helpers import ctrl_c_heard, migrated_store
 
     store = migrated_store(tmp_path / "mlflow.db")
     sweep = tmp_path / "sweep"
@@ -261,8 +261,9 @@ def test_ctrl_c_into_a_joblib_sweep_closes_every_job_it_started_and_writes_each_
                "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
                "tests.faulty.slow_port"]  # fmt: skip
     process = subprocess.Popen(
-        command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ctrl_c_heard,
+    )  # fmt: skip
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None:
         if any(sweep.glob("0-*/run.json")) and any(sweep.glob("1-*/candidate")):

@@ -16,7 +16,7 @@ from paritylab import Trace
 from paritylab.cli.app import compose
 from paritylab.comparison.report import compare_traces
 from paritylab.run.runner import run
-from tests.helpers import migrated_store
+from tests.helpers import ctrl_c_heard, migrated_store
 
 pytestmark = pytest.mark.slow
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -338,14 +338,6 @@ def test_a_sweep_parent_is_failed_when_any_child_fails_or_errors(tmp_path, monke
     assert note.index("| 2-candidate=x2 | pass |") < note.index("| 10-candidate=x10 |")  # 2 before 10
 
 
-def _ctrl_c_heard() -> None:
-    """A terminal's foreground job hears Ctrl-C; a test run from a background shell (``&``, nohup) inherits SIGINT
-    ignored, and so would the run it starts: give the run the terminal's default."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_in_a_sweep_exits_130_keeps_finished_jobs_and_kills_the_parent(tmp_path):
     """SIGINT (a terminal's Ctrl-C) while the second job's forward runs: one line, exit 130, no traceback; the
     finished job stays FINISHED, the interrupted one and the parent are KILLED, no later job starts; the parent
@@ -360,7 +352,7 @@ def test_ctrl_c_in_a_sweep_exits_130_keeps_finished_jobs_and_kills_the_parent(tm
          "candidate.ports.llava.build._target_=paritylab.experiments.llava_port.from_reference,"
          "tests.faulty.slow_port,paritylab.experiments.llava_port.from_reference"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPOSITORY)}, preexec_fn=_ctrl_c_heard,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)}, preexec_fn=ctrl_c_heard,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the first job finished and the second is in its slow forward
