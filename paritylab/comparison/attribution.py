@@ -475,12 +475,10 @@ def order_floor(call: CallRecord) -> float:
     recorded."""
     length = 1
     for _, node in iter_tensors(call.inputs, "inputs"):
-        if node.get("dtype") in _FLOATING and len(node.get("shape") or ()) > 1:
+        floating = str(node.get("dtype", "")).startswith(("float", "bfloat"))  # as _input_diverged reads it
+        if floating and len(node.get("shape") or ()) > 1:
             length = max(length, *node["shape"][1:])
     return FLOAT32_UNIT * math.sqrt(length)
-
-
-_FLOATING = frozenset({"float32", "float64", "float16", "bfloat16"})
 
 
 def beyond_floor(

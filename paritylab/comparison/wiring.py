@@ -46,14 +46,14 @@ def crossed_producer(
 
 
 def crossed(
-    row: Row, by_index: Mapping[int, Row], reference: Trace, replay: Trace, counterparts: Mapping[str, str]
+    row: Row, by_index: Mapping[int, Row], reference: Trace, candidate: Trace, counterparts: Mapping[str, str]
 ) -> tuple[Row, str] | None:
     """The module whose counterpart's output the candidate hands ``row`` where the reference hands it another
-    module's (:func:`~paritylab.comparison.judgement.crossed_producer`), and why."""
-    crossed = crossed_producer(by_index, reference, replay, counterparts, row)
-    if crossed is None:
+    module's (:func:`crossed_producer`), and why."""
+    found = crossed_producer(by_index, reference, candidate, counterparts, row)
+    if found is None:
         return None
-    handed, expected = crossed
+    handed, expected = found
     assert handed.candidate is not None  # a compared row
     made_by = handed.candidate.key.rsplit("#", 1)[0]
     where = row.path or "<root>"
