@@ -898,6 +898,23 @@ def mamba_weights(reference: nn.Module, layers: int) -> dict[str, torch.Tensor]:
     return converted
 
 
+def _called_modules(model: nn.Module, call: Callable[[nn.Module], Any]) -> set[str]:
+    """The names of the modules one forward of ``model`` calls (which ones a library's code path calls can change
+    between releases: transformers' Mamba calls its conv1d and dt_proj modules in 5.14, later reads their weights)."""
+    called: set[str] = set()
+    handles = [
+        module.register_forward_pre_hook(lambda module, args, name=name: called.add(name))
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            call(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return called
+
+
 def mamba_mambapy(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     """transformers ``MambaForCausalLM`` (the selective scan's reference path: a causal ``F.conv1d`` on the conv
     module's weight, ``dt_proj``'s weight read by a matrix product, a sequential scan in float32, the residual and the
@@ -922,22 +939,26 @@ def mamba_mambapy(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCa
     assert not missing and not unexpected, (missing, unexpected)
     candidate = candidate.to(dtype)
     ids = _ids(256)
+    called = _called_modules(reference, lambda m: m(input_ids=ids))
     sites = {ours: (theirs,) for ours, theirs in MAMBA_MODULES.items()}
     weight_sites, unpaired = {}, []
     for i in range(layers):
         mixer = f"backbone.layers.{i}.mixer"
         for ours, theirs in MAMBA_LAYER.items():
-            site = f"mamba.layers.{i}.{ours}".rstrip(".")
+            site, counterpart = f"mamba.layers.{i}.{ours}".rstrip("."), f"backbone.layers.{i}.{theirs}".rstrip(".")
             if ours in ("mixer.conv1d", "mixer.dt_proj"):
-                # transformers never calls either module: its mixer's own code runs F.conv1d on the conv's weight and
-                # multiplies by dt_proj's (mambapy calls its conv1d, and reads dt_proj's weight likewise). An error in
-                # the conv's output is the mixer's; a wrong weight is named at the module holding its counterpart
-                # (no call of it runs: the weight ledger names it, Report.weight_origin) or at the mixer reading it
-                weight_sites[site] = (f"{mixer}.{theirs.removeprefix('mixer.')}", mixer)
-                if ours == "mixer.conv1d":  # called on mambapy's side only: an output plant site, never paired
-                    sites[site], unpaired = (mixer,), [*unpaired, site]
+                # Newer transformers never call either module: the mixer's own code runs F.conv1d on the conv's weight
+                # and multiplies by dt_proj's (mambapy calls its conv1d, and reads dt_proj's weight likewise; 5.14's
+                # slow path calls both modules). A wrong weight is named at the module holding its counterpart (when
+                # no paired call judges it, the weight ledger names it: Report.weight_origin) or the mixer reading it
+                weight_sites[site] = (counterpart, mixer)
+                if ours == "mixer.conv1d":  # called on mambapy's side: its output's counterpart, or the mixer's code
+                    if counterpart in called:
+                        sites[site] = (counterpart,)
+                    else:
+                        sites[site], unpaired = (mixer,), [*unpaired, site]
             else:
-                sites[site] = (f"backbone.layers.{i}.{theirs}".rstrip("."),)
+                sites[site] = (counterpart,)
     return PairCase(
         "mamba/mambapy", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites,
         unpaired=tuple(unpaired), weight_sites=weight_sites,

@@ -298,20 +298,24 @@ class Report:
     @property
     def weight_origin(self) -> tuple[WeightFinding, Row] | None:
         """Where divergence starts when it is a weight no module call judges: a tensor the weight ledger found to
-        differ, held by a module that never runs (a position table its container's own code reads), and the row of
-        the nearest called module around it (the reader), when that row is where divergence starts, contains it,
-        or diverges before it. The table's module is named, whatever order the container's inputs come in."""
+        differ, held by a module that never runs (a position table its container's own code reads) or whose calls
+        have no counterpart (the candidate's own code reads that weight), and the row of the nearest called module
+        around it (the reader), when that row is where divergence starts, contains it, or diverges before it. The
+        table's module is named, whatever order the container's inputs come in."""
         first = self.first_divergence
         if first is None or self.passed:
             return None
         by_path: dict[str, Row] = {}
+        judged: set[str] = set()
         for row in self.rows:
             by_path.setdefault(row.path, row)  # its first call
+            if row.status in ("compared", "stats-only", "shape-mismatch", "error"):
+                judged.add(row.path)
         by_index = {row.index: row for row in self.rows}
         found: list[tuple[int, WeightFinding, Row]] = []
         for finding in self.alignment.weights.differing:
-            if finding.reference_module in by_path:
-                continue  # a module that runs: its own row judges it
+            if finding.reference_module in judged:
+                continue  # a module whose call was paired: its own row judges it
             reader = next(
                 (by_path[path] for path in module_ancestors(finding.reference_module) if path in by_path), None
             )

@@ -135,11 +135,16 @@ def _verdict_line(report: Report) -> str:
     table = report.weight_origin
     if table is not None:  # a weight no call judges, read by the code of the module the rows name
         finding, reader = table
-        where = display_path(finding.reference_module)
-        why = (
-            f": its weight differs, {finding.line()}; no call of it runs: {display_path(reader.path)}'s own code "
-            f"reads it, and diverges there ({report.culprit_reason or 'the rows name it'})"
+        where, code = display_path(finding.reference_module), display_path(reader.path)
+        error = f"weight rel_l2 {fmt(finding.rel_l2)}"  # the measures above are the reader's row's
+        runs = any(row.path == finding.reference_module for row in report.rows)
+        how = (
+            f"its calls have no counterpart: the candidate computes it in {code}'s own code"
+            if runs
+            else f"no call of it runs: {code}'s own code reads it"
         )
+        reason = report.culprit_reason or "the rows name it"
+        why = f": its weight differs, {finding.line()}; {how}, and diverges there ({reason})"
     return (
         f"FAIL: divergence starts at {where} ({error}){why}; "
         f"{summary['failed']} modules fail, output rel_l2 {fmt(summary['output_rel_l2'])}"
