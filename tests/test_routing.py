@@ -178,3 +178,43 @@ def test_the_dimension_of_a_selection_is_read_from_its_shapes_and_values():
     values, indices = torch.max(scores, dim=1)
     assert decision_dim(scores, indices, values) == 1
     assert decision_dim(scores, torch.argmax(scores)) is None
+
+
+def _reorder_router(moe: MoeLayer, order: list[int], experts_too: bool) -> None:
+    """The router's rows (one per expert) put in ``order``; with ``experts_too``, the experts reordered alike: a port
+    that numbers its experts otherwise and computes the same thing."""
+    with torch.no_grad():
+        moe.gate.weight.copy_(moe.gate.weight[order].clone())
+    if experts_too:
+        moe.experts = nn.ModuleList(moe.experts[i] for i in order)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_router_whose_rows_are_exchanged_is_named_with_its_layout(dtype, tmp_path):
+    """A conversion that swaps the two halves of a router's rows sends every token to other experts. Compared with
+    its features put back in the reference's order, the router's logits agree (a layout other code may well read in
+    its own order); the top-k reads them as expert numbers, so the router is where divergence starts: named there,
+    with its weight's rows and how many choices flipped, not as a routing rule that differs at the MoE block."""
+    case = seeded("mixtral", dtype, 0)
+    _reorder_router(case.candidate.layers[0].feed_forward, [4, 5, 6, 7, 0, 1, 2, 3], experts_too=False)
+    report = _judge(case, tmp_path)
+    line = headline(report)
+    assert report.first_divergence is not None and report.first_divergence.path == "model.layers.0.mlp.gate", line
+    assert "a choice takes their positions as indices (routing flipped for 21 of 24 tokens)" in line
+    assert "rows 0-3 hold the reference's rows 4-7, rows 4-7 hold the reference's rows 0-3" in line
+    assert "the decision rule differs" not in line and "the scores it chose from are in another order" in line
+    block = next(row for row in report.rows if row.path == "model.layers.0.mlp")
+    assert block.cause == "contains-origin"
+
+
+def test_a_router_and_its_experts_reordered_alike_is_a_layout_not_a_bug(tmp_path):
+    """The same rows exchanged, with the experts renumbered to match: the MoE block computes what the reference's does.
+    The run passes; with a bug planted in the second layer's attention, that bug is named, never the first router,
+    whose choices (expert numbers) differ from the reference's on every token."""
+    case = seeded("mixtral", torch.float32, 0)
+    _reorder_router(case.candidate.layers[0].feed_forward, [4, 5, 6, 7, 0, 1, 2, 3], experts_too=True)
+    report = _judge(case, tmp_path / "clean")
+    assert report.passed, headline(report)
+    case.candidate.layers[1].attention.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    report = _judge(case, tmp_path / "planted")
+    assert report.first_divergence is not None and report.first_divergence.path == "model.layers.1.self_attn"

@@ -159,18 +159,28 @@ class Differing:
     def margin(self) -> float:
         return max(self.margins, default=0.0)
 
-    def describe(self) -> str:
+    def flipped(self) -> str:
+        """How many choices differ: ``routing flipped for 21 of 24 tokens``."""
         what = "routing" if self.kind == "select" else "a comparison"
         unit = "tokens" if self.kind == "select" else "elements"
+        return f"{what} flipped for {self.differing} of {self.rows} {unit}"
+
+    def describe(self) -> str:
         ratio = max((m / r for m, r in zip(self.margins, self.resolutions, strict=True) if r > 0), default=0.0)
         text = (
-            f"{what} flipped for {self.differing} of {self.rows} {unit} ({self.candidate} against the reference's "
-            f"{self.reference}), margin {self.margin:.2g} ({ratio:.2g} units of {self.dtype} rounding at those scores)"
+            f"{self.flipped()} ({self.candidate} against the reference's {self.reference}), margin {self.margin:.2g} "
+            f"({ratio:.2g} units of {self.dtype} rounding at those scores)"
         )
-        return text + (": a near tie" if self.near_tie else ": beyond what rounding flips, the decision rule differs")
+        return text + (": a near tie" if self.near_tie else f": {RULE_DIFFERS}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"near_tie": self.near_tie, "message": self.describe()}
+        return asdict(self) | {"near_tie": self.near_tie, "message": self.describe(), "flipped": self.flipped()}
+
+
+RULE_DIFFERS = "beyond what rounding flips, the decision rule differs"
+"""What a differing decision that is no near tie says (unless the scores it read are in another order)."""
+REORDERED_SCORES = "beyond what rounding flips: the scores it chose from are in another order"
+"""What it says instead where the module making those scores holds the reference's weight rows reordered."""
 
 
 def compare_decisions(reference: Recording, candidate: Recording, dtype: torch.dtype | str) -> list[Differing]:

@@ -1,6 +1,7 @@
 """Modules handed another module's values: two agreeing pairs crossed on the way to a consumer (two same-shape
 weights exchanged by a conversion) and a fused module whose parts lie out of the order the reference computes them
-(a qkv weight's halves exchanged). Every pair agrees in both cases; only the data flow, or the layout the code
+(a qkv weight's halves exchanged), or scores in another order that a discrete choice reads as indices (a router's
+rows exchanged: its experts change places). Every pair agrees in these cases; only the data flow, or the layout the code
 splits by position, shows the bug, so :mod:`.attribution` names these modules where it would blame the code around
 them."""
 
@@ -10,7 +11,8 @@ import itertools
 from collections.abc import Iterable, Mapping
 
 from paritylab.comparison.alignment import Pair, Part
-from paritylab.comparison.judgement import Row, ancestors, primary_input, producer_row
+from paritylab.comparison.judgement import Report, Row, ancestors, primary_input, producer_row
+from paritylab.comparison.report import REORDERED, REORDERED_WHY, reordered_rows
 from paritylab.tracing.tracefile import Trace
 
 
@@ -132,4 +134,42 @@ def _common_parent(rows: list[Row], by_index: Mapping[int, Row]) -> Row | None:
     for index in chains[0]:
         if index in shared:
             return by_index.get(index)
+    return None
+
+
+def reordered_scores(report: Report, reference: Trace, module: str, probed: str, said: str) -> Row | None:
+    """The module whose output a discrete choice read (``module``, a reference path: a router whose top-k picks
+    experts), when that output agrees only with its features in another order (its weight's rows are the
+    reference's, permuted) and divergence starts in the module the choice was found in (``probed``, a candidate call
+    key), inside it or around it: the choice takes those features' positions as indices, so a layout other code
+    could read in its own order is the bug here. Marked the origin, with ``said`` (how many choices flipped) in its
+    note.
+    None where the module's own values differ, the module around it agrees (a port whose experts are reordered
+    alike), or divergence starts elsewhere."""
+    first = report.first_divergence
+    around = next((row for row in report.rows if row.candidate is not None and row.candidate.key == probed), None)
+    if first is None or around is None:
+        return None
+    by_index = {row.index: row for row in report.rows}
+    related = {first.index, *ancestors(first, by_index)}
+    if around.index not in related and first.index not in set(ancestors(around, by_index)):
+        return None  # divergence starts outside the module that took the choice, and not around it
+    reordered = reordered_rows(report.alignment, reference)
+    for row in report.rows:
+        if row.path != module or row.index not in reordered or row.status != "compared":
+            continue
+        if row.diverged and REORDERED not in row.note:
+            return None  # its own values differ: they are judged as they are
+        user = by_index.get(row.parent) if row.parent is not None else None
+        if user is None or not (user.diverged or user.verdict == "fail"):
+            return None  # the code around it reads the order as it is (the experts reordered alike): a layout
+        finding = f"{REORDERED}, and a choice takes their positions as indices ({said}): {REORDERED_WHY}"
+        row.diverged, row.verdict, row.cause = True, "fail", "origin"
+        row.note = f"{row.note}; {finding}" if row.note else finding
+        for other in (first, around):
+            if other is not row and other.index in set(ancestors(row, by_index)):
+                other.cause = "contains-origin"
+        report.origins = [row, *(other for other in report.origins if other is not row)]
+        report.first_divergence, report.culprit_reason = row, finding
+        return row
     return None

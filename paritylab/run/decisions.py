@@ -20,11 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.comparison.decisions import Differing, Plan, compare_decisions, forced_decisions, pair_decisions
+from paritylab.comparison.decisions import (
+    REORDERED_SCORES,
+    RULE_DIFFERS,
+    Differing,
+    Plan,
+    compare_decisions,
+    forced_decisions,
+    pair_decisions,
+)
 from paritylab.comparison.drilldown import Recording, record_call, split_key
 from paritylab.comparison.judgement import Report, Row
 from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.replay import teacher_forcing
+from paritylab.comparison.wiring import reordered_scores
 from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
 from paritylab.run.parity import private_call
 from paritylab.tracing.tracefile import Trace
@@ -162,6 +171,14 @@ def judge_decisions(
         decided.candidate_call, decided.plan = planned(candidate_call, plan), plan
     decided.lifted = lifted
     _annotate(decided.report, decided.found, rule_notes, set(plan))
+    for item in decided.found:  # a rule that differs because the scores it reads are in another order
+        if item["near_tie"]:
+            continue
+        if reordered_scores(decided.report, reference_trace, item["module"], item["call"], item["flipped"]):
+            item["message"] = str(item["message"]).replace(RULE_DIFFERS, REORDERED_SCORES)
+            for row in decided.report.rows:  # the rule does not differ: its scores' order does
+                row.note = row.note.replace(RULE_DIFFERS, REORDERED_SCORES)
+            break
     return decided
 
 
