@@ -44,10 +44,17 @@ class _Features:
     """Its fingerprint, row by row: a table one side holds cut to a run of the other's rows is the same weights
     (:func:`~paritylab.tracing.structure.rows_of`)."""
     holds: bool | None = None
-    """Whether its subtree holds weights its code reads (``None``: the trace carries no fingerprints)."""
+    """Whether its subtree holds weights its code reads (``None``: the trace carries no fingerprints, or the call is
+    an observer's: :func:`observer_classes`)."""
 
     @classmethod
-    def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
+    def of(
+        cls,
+        call: CallRecord,
+        item: ModulePrint | None = None,
+        inner: frozenset[int] = frozenset(),
+        observers: frozenset[str] = frozenset(),
+    ) -> _Features:
         node = _primary(call.outputs)
         leaf = call.path.rsplit(".", 1)[-1] if call.path else ""
         return cls(
@@ -62,7 +69,7 @@ class _Features:
             numel=item.numel if item is not None else 0,
             own=item is not None and bool(item.numel) and _own_values(item) == item.numel,
             held=item if item is not None and item.numel else None,
-            holds=None if item is None else bool(item.numel),
+            holds=None if item is None or call.cls in observers else bool(item.numel),
         )
 
     def unlike(self, other: _Features) -> bool:
@@ -150,3 +157,11 @@ def _dice(a: frozenset[str], b: frozenset[str]) -> float:
 def _bigrams(name: str) -> frozenset[str]:
     padded = f"^{name}$"
     return frozenset(padded[i : i + 2] for i in range(len(padded) - 1))
+
+
+def observer_classes(calls: list[CallRecord]) -> frozenset[str]:
+    """The classes of module that hand a value on unchanged in at least one call of this trace (TransformerLens' hook
+    points, ``nn.Identity``, dropout in eval). A call of such a class that changes its value (a hook attached to it)
+    stands for the value it was handed: the output of a module that may well hold weights, so whether it holds any
+    says nothing about what it pairs with (:meth:`_Features.unlike`)."""
+    return frozenset(call.cls for call in calls if call.identity)

@@ -3,7 +3,7 @@ order), on structure alone."""
 
 from __future__ import annotations
 
-from paritylab.comparison.alignment._features import _Features
+from paritylab.comparison.alignment._features import _Features, observer_classes
 from paritylab.comparison.alignment._pairs import Pair
 from paritylab.comparison.alignment._shapes import _shape
 from paritylab.tracing.structure import ModulePrint, inner_digests
@@ -27,9 +27,12 @@ def _rescue(
     structure alone: equal output shapes and strong name evidence, unless the weights say otherwise (they differ, or
     one side holds weights and the other none)."""
     ref_inner, cand_inner = inner_digests(ref_prints), inner_digests(cand_prints)
+    ref_observers, cand_observers = observer_classes(ref_calls), observer_classes(cand_calls)
 
-    def features(call: CallRecord, prints: dict[str, ModulePrint], inner: dict[str, frozenset[int]]) -> _Features:
-        return _Features.of(call, prints.get(call.path), inner.get(call.path, frozenset()))
+    def features(
+        call: CallRecord, prints: dict[str, ModulePrint], inner: dict[str, frozenset[int]], observers: frozenset[str]
+    ) -> _Features:
+        return _Features.of(call, prints.get(call.path), inner.get(call.path, frozenset()), observers)
 
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for j in range(len(cand_calls)):
@@ -41,9 +44,9 @@ def _rescue(
         shape = _shape(ref_calls[i]) if i not in skip_ref else None
         if shape is None:
             continue
-        ref = features(ref_calls[i], ref_prints, ref_inner)
+        ref = features(ref_calls[i], ref_prints, ref_inner, ref_observers)
         for j in by_shape.get(shape, [])[:MAX_RESCUE]:
-            other = features(cand_calls[j], cand_prints, cand_inner)
+            other = features(cand_calls[j], cand_prints, cand_inner, cand_observers)
             score = ref.structure(other)
             if score >= RESCUE_SCORE and not ref.contradicts(other) and not ref.unlike(other):
                 scored.append((score, -abs(i - j), i, j))
@@ -74,9 +77,11 @@ def _weightless_at_home(
     if not ref_prints or not cand_prints:
         return {}
 
+    observers = observer_classes(ref_calls) | observer_classes(cand_calls)
+
     def weightless(call: CallRecord, prints: dict[str, ModulePrint]) -> bool:
-        item = prints.get(call.path)
-        return item is not None and not item.numel and _shape(call) is not None
+        item = prints.get(call.path)  # an observer carrying a change stands for what it observes: never paired here
+        return item is not None and not item.numel and _shape(call) is not None and call.cls not in observers
 
     def home(calls: list[CallRecord], position: int, stop: set[int] | dict[int, int]) -> int | None:
         parent = calls[position].parent
