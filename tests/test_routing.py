@@ -218,3 +218,40 @@ def test_a_router_and_its_experts_reordered_alike_is_a_layout_not_a_bug(tmp_path
     case.candidate.layers[1].attention.register_forward_hook(lambda _m, _a, out: out * 1.01)
     report = _judge(case, tmp_path / "planted")
     assert report.first_divergence is not None and report.first_divergence.path == "model.layers.1.self_attn"
+
+
+def _experts_reversed(self: MoeLayer, x: torch.Tensor) -> torch.Tensor:
+    """The experts in reverse order: the tokens the router sends to expert ``e`` are computed by expert ``7 - e``."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, chosen = torch.topk(self.gate(flat), self.top_k, dim=-1)
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(x.dtype)
+    results = torch.zeros_like(flat)
+    for number, expert in enumerate(reversed(self.experts)):
+        tokens, slot = torch.where(chosen == number)
+        if tokens.numel():
+            results[tokens] += weights[tokens, slot, None] * expert(flat[tokens])
+    return results.view_as(x)
+
+
+@pytest.mark.parametrize(
+    ("bug", "layer", "own"), [(_experts_reversed, 0, (1.2, 1.5)), (_softmax_before_top_k, 1, (0.6, 0.8))]
+)
+def test_a_wrong_routing_rule_is_named_at_the_moe_block_not_at_the_experts_activation(bug, layer, own, tmp_path):
+    """transformers' Mixtral calls its weightless ``act_fn`` once per expert inside the fused experts module; paired
+    by order and shape with the port's ``experts.N.w1`` (a module holding weights), the activation was named for
+    every O(1) MoE bug in the first layer (``divergence starts at model.layers.0.mlp.experts.act_fn``). A module
+    holding weights never pairs with one holding none: the bug is named at the MoE block whose code routes."""
+    case = seeded("mixtral", torch.float32, 0)
+    moe = case.candidate.layers[layer].feed_forward
+    moe.forward = MethodType(bug, moe)
+    report = paritylab.check(
+        case.reference, case.candidate, tmp_path, reference_call=case.reference_call,
+        candidate_call=case.candidate_call, echo=None,
+    ).report  # fmt: skip
+    assert not report.passed
+    origin = report.first_divergence
+    assert origin is not None and origin.path == f"model.layers.{layer}.mlp", headline(report)
+    assert own[0] < origin.local["local_rel_l2"] < own[1]  # 1.37 and 0.706: the block's own error, O(1)
+    paired = report.alignment.by_reference()
+    assert not [key for key in paired if ".experts.act_fn" in key]
+    assert not [row for row in report.rows if "act_fn" in row.path and row.status == "compared"]

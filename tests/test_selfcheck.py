@@ -221,7 +221,9 @@ def test_a_refuted_pair_is_repaired_with_the_call_inside_that_computes_its_value
     they agree to rounding, or, past a bug (the blocks after the planted one), to within a few times what the
     activation was handed, which is far from the O(1) of the wrong pair (x-transformers' first block named the
     activation for a bug in its GLU's product: its second block, past the bug, was not repaired, so neither was
-    the first, which follows it)."""
+    the first, which follows it). The alignment now pairs the activation with the ``act`` itself: a weightless
+    module is never paired with one holding weights (``tests/test_weightless_pairs.py``), and the one weightless
+    call of its shape in its parent's counterpart is its pair; the pairs checked here are the same."""
     reference, candidate = _mlps()
     if planted:
         candidate.get_submodule(planted).register_forward_hook(lambda _m, _a, out: out * 1.01)

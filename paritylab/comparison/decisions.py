@@ -181,6 +181,8 @@ RULE_DIFFERS = "beyond what rounding flips, the decision rule differs"
 """What a differing decision that is no near tie says (unless the scores it read are in another order)."""
 REORDERED_SCORES = "beyond what rounding flips: the scores it chose from are in another order"
 """What it says instead where the module making those scores holds the reference's weight rows reordered."""
+INPUT_DIFFERS = "beyond what rounding flips, on scores whose input already differs"
+"""What it says instead where the module taking the decision was handed a value that differs (past the origin)."""
 
 
 def compare_decisions(reference: Recording, candidate: Recording, dtype: torch.dtype | str) -> list[Differing]:

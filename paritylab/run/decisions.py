@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from paritylab.comparison.decisions import (
+    INPUT_DIFFERS,
     REORDERED_SCORES,
     RULE_DIFFERS,
     Differing,
@@ -171,15 +172,29 @@ def judge_decisions(
         decided.candidate_call, decided.plan = planned(candidate_call, plan), plan
     decided.lifted = lifted
     _annotate(decided.report, decided.found, rule_notes, set(plan))
-    for item in decided.found:  # a rule that differs because the scores it reads are in another order
+    _explain_rules(decided.report, decided.found, reference_trace)
+    return decided
+
+
+def _explain_rules(report: Report, found: list[dict[str, Any]], reference_trace: Trace) -> None:
+    """Choices that differ beyond a near tie, told again where something other than their rule explains them: the
+    scores they read are in another order (a router's rows exchanged: :func:`reordered_scores` names that module),
+    or the module taking them was handed a value that already differs (a later layer's router, past the origin)."""
+    rows = {row.path: row for row in reversed(report.rows)}  # each module's first call
+    reordered = False
+    for item in found:
         if item["near_tie"]:
             continue
-        if reordered_scores(decided.report, reference_trace, item["module"], item["call"], item["flipped"]):
-            item["message"] = str(item["message"]).replace(RULE_DIFFERS, REORDERED_SCORES)
-            for row in decided.report.rows:  # the rule does not differ: its scores' order does
-                row.note = row.note.replace(RULE_DIFFERS, REORDERED_SCORES)
-            break
-    return decided
+        said = ""
+        if not reordered and reordered_scores(report, reference_trace, item["module"], item["call"], item["flipped"]):
+            said, reordered = REORDERED_SCORES, True
+        elif item["module"] in rows and rows[item["module"]].input_diverged:
+            said = INPUT_DIFFERS
+        if said:
+            told = str(item["message"]).replace(RULE_DIFFERS, said)
+            for row in report.rows:
+                row.note = row.note.replace(str(item["message"]), told)
+            item["message"] = told
 
 
 def _joined(path: str, inner: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from paritylab.comparison.alignment._fingerprints import _by_fingerprint
 from paritylab.comparison.alignment._fused import _by_parts
 from paritylab.comparison.alignment._pairs import Pair, Part
-from paritylab.comparison.alignment._rescue import _rescue
+from paritylab.comparison.alignment._rescue import _rescue, _weightless_at_home
 from paritylab.comparison.alignment._result import Alignment, _alignment
 from paritylab.comparison.alignment._rules import Rule, _by_rule
 from paritylab.comparison.alignment._runs import _by_runs
@@ -269,3 +269,14 @@ def _pair_out_of_order(state: _Pairing) -> None:
     state.automatic |= _rescue(
         state.ref_calls, state.cand_calls, skip_ref, taken_cand, state.ref_prints, state.cand_prints
     )
+    paired = {i: state.cand_position[pair.candidate] for i, pair in state.automatic.items() if _whole(pair)}
+    paired |= {i: j for i, (j, pair) in state.fixed.items() if _whole(pair)}
+    state.automatic |= _weightless_at_home(
+        state.ref_calls, state.cand_calls, paired, state.skipped_ref(), state.skipped_cand(),
+        state.ref_prints, state.cand_prints,
+    )  # fmt: skip
+
+
+def _whole(pair: Pair) -> bool:
+    """A pair of whole outputs: the candidate call computes all the reference call does, and nothing else."""
+    return pair.candidate_part is None or pair.candidate_part.whole

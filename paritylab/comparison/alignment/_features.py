@@ -43,9 +43,18 @@ class _Features:
     held: ModulePrint | None = None
     """Its fingerprint, row by row: a table one side holds cut to a run of the other's rows is the same weights
     (:func:`~paritylab.tracing.structure.rows_of`)."""
+    holds: bool | None = None
+    """Whether its subtree holds weights its code reads (``None``: the trace carries no fingerprints, or the call is
+    an observer's: :func:`observer_classes`)."""
 
     @classmethod
-    def of(cls, call: CallRecord, item: ModulePrint | None = None, inner: frozenset[int] = frozenset()) -> _Features:
+    def of(
+        cls,
+        call: CallRecord,
+        item: ModulePrint | None = None,
+        inner: frozenset[int] = frozenset(),
+        observers: frozenset[str] = frozenset(),
+    ) -> _Features:
         node = _primary(call.outputs)
         leaf = call.path.rsplit(".", 1)[-1] if call.path else ""
         return cls(
@@ -60,7 +69,18 @@ class _Features:
             numel=item.numel if item is not None else 0,
             own=item is not None and bool(item.numel) and _own_values(item) == item.numel,
             held=item if item is not None and item.numel else None,
+            holds=None if item is None or call.cls in observers else bool(item.numel),
         )
+
+    def unlike(self, other: _Features) -> bool:
+        """One module holds weights and the other none (both traces fingerprinted): not one computation, whatever
+        order and shape say. A module computing with weights (a projection, an expert) is not an activation that
+        holds none, even where the activation's output has the projection's shape (transformers' Mixtral calls its
+        weightless ``act_fn`` once per expert inside the fused experts module, where a per-expert port calls each
+        expert's ``w1``). A weightless wrapper around a module holding weights holds them too (its subtree's), and a
+        weight its code reads without calling the module holding it counts as its own
+        (:func:`~paritylab.comparison.alignment._weight_reads._read_prints`)."""
+        return self.holds is not None and other.holds is not None and self.holds != other.holds
 
     def contradicts(self, other: _Features) -> bool:
         """The weights rule the pair out: they differ, and either they are not even as many values (a
@@ -90,6 +110,8 @@ class _Features:
         ):
             return 0.0
         if self.numbers and other.numbers and self.numbers[-1] != other.numbers[-1]:
+            return 0.0
+        if self.unlike(other):
             return 0.0
         if self.weights is not None and (self.weights == other.weights or self.cut(other)):
             # the same weights: as strong as evidence gets (a group the weights alone could not order), strongest
@@ -135,3 +157,11 @@ def _dice(a: frozenset[str], b: frozenset[str]) -> float:
 def _bigrams(name: str) -> frozenset[str]:
     padded = f"^{name}$"
     return frozenset(padded[i : i + 2] for i in range(len(padded) - 1))
+
+
+def observer_classes(calls: list[CallRecord]) -> frozenset[str]:
+    """The classes of module that hand a value on unchanged in at least one call of this trace (TransformerLens' hook
+    points, ``nn.Identity``, dropout in eval). A call of such a class that changes its value (a hook attached to it)
+    stands for the value it was handed: the output of a module that may well hold weights, so whether it holds any
+    says nothing about what it pairs with (:meth:`_Features.unlike`)."""
+    return frozenset(call.cls for call in calls if call.identity)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, WRAPPER_SCORE, _Features
+from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, WRAPPER_SCORE, _Features, observer_classes
 from paritylab.comparison.alignment._pairs import Pair
 from paritylab.tracing.structure import ModulePrint, inner_digests
 from paritylab.tracing.tracefile import CallRecord
@@ -58,13 +58,16 @@ def _align_segments(
     found: dict[int, Pair] = {}
     features: dict[tuple[int, int], _Features] = {}
     inner = (inner_digests(ref_prints), inner_digests(cand_prints))
+    observers = (observer_classes(ref_calls), observer_classes(cand_calls))
 
     def feature(side: int, position: int) -> _Features:
         key = (side, position)
         if key not in features:
             call = (ref_calls, cand_calls)[side][position]
             prints = (ref_prints, cand_prints)[side]
-            features[key] = _Features.of(call, prints.get(call.path), inner[side].get(call.path, frozenset()))
+            features[key] = _Features.of(
+                call, prints.get(call.path), inner[side].get(call.path, frozenset()), observers[side]
+            )
         return features[key]
 
     for (r0, c0), (r1, c1) in itertools.pairwise(bounds):
