@@ -48,6 +48,7 @@ from tests.pairs import (
     planted,
     planted_weight,
     reference_side,
+    tied_sites,
     unavailable,
     weight_target,
 )
@@ -269,6 +270,7 @@ def weight_plants(case, row: dict, args: argparse.Namespace, judge) -> tuple[dic
             with planted_weight(case.candidate, site, kind, probe=case.candidate_call) as effect:
                 report = judge(f"{site}-{kind}")
             named = named_origin(report)
+            expected = tied_sites(case, tensor, tuple(expected))  # a tied tensor: every module holding it
             verdict = "pass" if report.passed else "fail"
             plant = {
                 "pair": case.name, "dtype": row["dtype"], "site": site, "kind": kind, "tensor": tensor,

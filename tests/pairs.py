@@ -1088,6 +1088,22 @@ def _bias_like(name: str) -> bool:
     return name in ("bias", "b") or name.startswith("b_")
 
 
+def tied_sites(case: PairCase, tensor: str, expected: tuple[str, ...]) -> tuple[str, ...]:
+    """What a plant in ``tensor`` (a dotted name in the candidate) may be named at: ``expected``, and where the tensor
+    is tied (one parameter held by several modules: fair-esm's head reads its token embedding's), the counterparts
+    of every other site holding it too; divergence starts at whichever of them runs first on values it changed."""
+    owner, _, name = tensor.rpartition(".")
+    value = getattr(case.candidate.get_submodule(owner), name, None)
+    if not isinstance(value, nn.Parameter):
+        return expected
+    found = list(expected)
+    for site, theirs in (case.sites | case.weight_sites).items():
+        module = case.candidate.get_submodule(site)
+        if any(held is value for held in module.parameters(recurse=False)):
+            found += [path for path in theirs if path not in found]
+    return tuple(found)
+
+
 def weight_target(model: nn.Module, site: str, kind: str) -> str | None:
     """The tensor (its dotted name in ``model``) a weight plant of ``kind`` at module ``site`` changes, or None when
     the module holds nothing that kind changes (that combination is skipped, not counted). ``w-*`` kinds take the

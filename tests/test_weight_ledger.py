@@ -635,3 +635,28 @@ def test_query_rows_swapped_are_named_at_the_query_not_at_the_attention_reading_
     report = check(reference, candidate, tmp_path, reference_call=lambda m: m(x.to(next(m.parameters()).dtype))).report
     assert report.first_divergence is not None and report.first_divergence.path == "attn.q", headline(report)
     assert "its output agrees only with its features in another order" in headline(report)
+
+
+class _Tied(nn.Module):
+    """A token embedding whose table the output head reads too (one parameter, two modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(24, 16)
+        self.head = nn.Linear(16, 24, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tied_table_with_a_block_of_rows_copied_over_another_differs():
+    """The reference holds its tied table under two modules; a conversion that copies rows 4-7 over rows 0-3 leaves
+    every row of the candidate's table one the reference holds, rows 4-7 twice: counted once per distinct tensor,
+    the reference holds them once, so the table differs (it was taken as matched, and the bug passed unnamed)."""
+    torch.manual_seed(0)
+    reference, candidate = _Tied(), _Tied()
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        candidate.embed.weight[0:4] = candidate.embed.weight[4:8].clone()
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    said = ledger.differing[0].line()
+    assert said.startswith("embed.weight differs from the reference's embed.weight: rows 0-3 of 24 differ: they hold")
+    assert "the reference's rows 4-7" in said

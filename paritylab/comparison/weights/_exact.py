@@ -16,9 +16,15 @@ from paritylab.comparison.weights._views import views
 
 def _row_index(items: Iterable[Held]) -> dict[tuple[int, int], int]:
     """(fiber length, fiber hash) -> how many reference fibers of that length hash so: the rows and columns of 2-D
-    tensors, the fibers of larger ones along each axis (:mod:`._views`)."""
+    tensors, the fibers of larger ones along each axis (:mod:`._views`). A tensor held by several modules (a head
+    tied to its token embedding) counts once: a candidate's copy of it holding one row twice does not hold it."""
     index: dict[tuple[int, int], int] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
     for item in items:
+        key = (item.print.digest, item.print.shape)
+        if key in seen:
+            continue
+        seen.add(key)
         for view in views(item):
             length = view.length
             for value in view.hashes.tolist():
