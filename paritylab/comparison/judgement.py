@@ -321,6 +321,9 @@ class Report:
             )
             if reader is None:
                 continue
+            own = by_path.get(finding.reference_module)
+            if own is not None and first.index != own.index and first.index not in set(ancestors(own, by_index)):
+                continue  # it runs, unpaired: divergence starting elsewhere, its input agreeing, says it agrees
             around = set(ancestors(first, by_index))
             encloses = reader.index == first.index or reader.index in around
             earlier = reader.diverged and reader.index < first.index
