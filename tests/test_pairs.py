@@ -636,3 +636,23 @@ def test_a_pair_the_values_refute_stays_refuted_when_a_bug_reaches_one_of_its_us
     assert first is not None and first.path == "model.layers.0.self_attn.v_proj", report.summary()
     rotary = next(row for row in report.rows if row.path == "model.rotary_emb")
     assert rotary.status == "unmatched" and "self_attn, which uses it," in rotary.note
+
+
+@pytest.mark.skipif(unavailable("x-transformers") is not None, reason=unavailable("x-transformers") or "")
+@pytest.mark.parametrize("kind", ["w-scale", "w-element"])
+def test_an_output_projection_reading_heads_in_its_own_order_is_named_for_its_weight(kind, tmp_path):
+    """x-transformers' ``to_out`` reads the attention heads in its own order, so its weight's columns are
+    transformers' ``o_proj``'s permuted (a layout). A conversion that then scales it, or changes one element, leaves
+    no column hashing as the reference's: the weight ledger finds it near ``o_proj`` with the columns set aside,
+    says what differs in the reference's order, and the alignment compares its input in that order, so the run
+    names ``o_proj`` (it named the attention before: the projection's input looked permuted, so wrong)."""
+    case = PAIRS["x-transformers"](torch.float32)
+    reference_trace, floors = reference_side(case, tmp_path)
+    with planted_weight(case.candidate, "attn_layers.layers.0.1.to_out", kind, probe=case.candidate_call) as e:
+        report = _judge(case, tmp_path, kind, reference_trace, floors)
+    assert e["changed"] and not report.passed
+    assert named_origin(report) == "model.layers.0.self_attn.o_proj", report.first_divergence
+    (finding,) = [f for f in report.alignment.weights.differing if f.candidate == e["tensor"]]
+    assert finding.reference == "model.layers.0.self_attn.o_proj.weight"
+    said = "scaled by 1.01" if kind == "w-scale" else "1 of 4096 elements, at ["
+    assert f"its columns in another order (compared in the reference's order), {said}" in finding.detail

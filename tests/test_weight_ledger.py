@@ -660,3 +660,56 @@ def test_a_tied_table_with_a_block_of_rows_copied_over_another_differs():
     said = ledger.differing[0].line()
     assert said.startswith("embed.weight differs from the reference's embed.weight: rows 0-3 of 24 differ: they hold")
     assert "the reference's rows 4-7" in said
+
+
+class _HeadsReadOtherwise(nn.Module):
+    """An output projection whose input features (attention heads) a port lays out in another order: its weight's
+    columns permuted to match, so it computes the reference's projection of the reference's features."""
+
+    def __init__(self, reference: nn.Linear, order: torch.Tensor) -> None:
+        super().__init__()
+        self.proj = nn.Linear(reference.in_features, reference.out_features, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(reference.weight[:, order])
+
+
+@pytest.mark.parametrize(
+    ("plant", "said"),
+    [
+        ("scale", "its columns in another order (compared in the reference's order), scaled by 1.01, rel_l2 0.01"),
+        ("element", "its columns in another order (compared in the reference's order), 1 of 512 elements, at [3, 5]"),
+    ],
+)
+def test_a_weight_held_in_another_column_order_with_a_defect_is_near_its_twin(plant, said):
+    """A weight whose columns a port holds in another order (a layout its code reads so), then changed by a
+    conversion: no hash matches the reference's any more (scaled), or most do in other places (one element). The
+    ledger finds the twin with that axis set aside (row sums do not depend on the columns' order; the columns'
+    hashes move with them), says what differs in the reference's order, and keeps the order for the alignment."""
+    torch.manual_seed(3)
+    reference = nn.Sequential(nn.Linear(32, 16, bias=False))
+    order = torch.randperm(32)
+    candidate = _HeadsReadOtherwise(reference[0], order)
+    with torch.no_grad():
+        if plant == "scale":
+            candidate.proj.weight.mul_(1.01)
+        else:
+            at = int((order == 5).nonzero())  # the reference's column 5, where the candidate holds it
+            candidate.proj.weight[3, at] *= 1.01
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    (finding,) = ledger.differing
+    assert (finding.candidate, finding.reference) == ("proj.weight", "0.weight")
+    assert said in finding.detail
+    axis, held = ledger.orders[("0", "proj")]
+    assert axis == 1 and list(held) == torch.argsort(order).tolist()  # where the candidate holds each column
+    assert ledger.module_pairs == {"0": "proj"}
+
+
+def test_an_unrelated_weight_of_the_same_shape_is_near_nothing_in_any_order():
+    """Sorted column sums of two independent draws lie close (order statistics of one distribution); the row sums,
+    compared in place, keep them apart: a weight of another draw is no near twin, in place or reordered."""
+    torch.manual_seed(3)
+    reference = nn.Sequential(nn.Linear(32, 16, bias=False))
+    torch.manual_seed(4)
+    other = nn.Sequential(nn.Linear(32, 16, bias=False))
+    ledger = weight_ledger(fingerprint(reference), fingerprint(other))
+    assert ledger.differing == [] and ledger.orders == {} and ledger.unmatched == ["0.weight"]

@@ -4,9 +4,9 @@ shared :class:`_Pairing` (what both sides hold and what is paired so far)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from paritylab.comparison.alignment._fingerprints import _by_fingerprint
+from paritylab.comparison.alignment._fingerprints import _by_fingerprint, _input_shape
 from paritylab.comparison.alignment._fused import _by_parts
 from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._rescue import _rescue, _weightless_at_home
@@ -14,7 +14,7 @@ from paritylab.comparison.alignment._result import Alignment, _alignment
 from paritylab.comparison.alignment._rules import Rule, _by_rule
 from paritylab.comparison.alignment._runs import _by_runs
 from paritylab.comparison.alignment._sequence import _align_segments, _monotone_chain
-from paritylab.comparison.alignment._shapes import _primary_input
+from paritylab.comparison.alignment._shapes import _primary_input, _shape
 from paritylab.comparison.alignment._weight_reads import _read_prints
 from paritylab.comparison.weights import WeightLedger, as_twins, weight_ledger
 from paritylab.tracing.structure import ModulePrint
@@ -55,6 +55,34 @@ def _propose(state: _Pairing, rules: list[Rule], *, pinned: bool) -> None:
         _pair_by_runs(state)
     _pair_in_order(state)
     _pair_out_of_order(state)
+    if state.structured:
+        _orders_from_weights(state)
+
+
+def _orders_from_weights(state: _Pairing) -> None:
+    """Pairs of modules whose weights the weight ledger found near with one axis in another order
+    (:attr:`WeightLedger.orders`), and which the fingerprints could not prove so (their values changed): their
+    outputs (rows reordered) or inputs (columns) are compared in the order the weights give."""
+    orders = state.weights.orders
+    if not orders:
+        return
+
+    def ordered(i: int, pair: Pair) -> Pair:
+        if pair.candidate_part is not None or pair.candidate_input_part is not None or pair.reference_part is not None:
+            return pair
+        ref, cand = state.ref_calls[i], state.cand_by_key.get(pair.candidate)
+        found = orders.get((ref.path, cand.path)) if cand is not None else None
+        if found is None:
+            return pair
+        axis, order = found
+        shape = _shape(ref) if axis == 0 else _input_shape(ref)
+        if not shape or shape[-1] != len(order) or sorted(order) != list(range(len(order))):
+            return pair
+        part = Part(indices=order, whole=True)
+        return replace(pair, candidate_part=part) if axis == 0 else replace(pair, candidate_input_part=part)
+
+    state.fixed = {i: (j, ordered(i, pair)) for i, (j, pair) in state.fixed.items()}
+    state.automatic = {i: ordered(i, pair) for i, pair in state.automatic.items()}
 
 
 @dataclass

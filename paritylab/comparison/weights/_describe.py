@@ -50,6 +50,70 @@ def _describe(ours: Held, theirs: Held, flipped: bool) -> tuple[str, float | Non
     return ", ".join(parts), rel_l2
 
 
+def _describe_reordered(ours: Held, theirs: Held, axis: int) -> tuple[str, float | None]:
+    """What differs between a candidate tensor holding the reference's rows (``axis`` 0) or columns (1) in another
+    order and that reference tensor, compared in the reference's order: each of the candidate's lines along ``axis``
+    put where the reference holds one hashing alike, the rest by the rank of their sums."""
+    a, b = ours.print, theirs.print
+    sums_a, sums_b = a.sums, b.sums
+    assert sums_a is not None and sums_b is not None
+    name, other = ("rows", "columns")[axis], ("rows", "columns")[1 - axis]
+    lines_a, lines_b = (sums_a[0], sums_a[1]), (sums_b[0], sums_b[1])
+    order, changed = _line_order(a, b, axis, lines_a[axis], lines_b[axis])
+    aligned = list(lines_b)
+    aligned[axis] = lines_b[axis][order]
+    parts = [f"its {name} in another order (compared in the reference's order)"]
+    scale = _scale(numpy.concatenate(lines_a), numpy.concatenate(aligned))
+    if scale is not None:
+        parts.append(f"scaled by {scale:.4g}")
+        return ", ".join([*parts, f"rel_l2 {abs(scale - 1.0):.3g}"]), abs(scale - 1.0)
+    kept = lines_a[1 - axis]
+    apart = numpy.abs(aligned[1 - axis] - kept)  # the lines kept in place: most agree to their sums' rounding
+    tolerance = max(8.0 * float(numpy.median(apart)), 1e-6 * float(numpy.abs(kept).max(initial=0.0)))
+    across = numpy.flatnonzero(apart > tolerance)
+    total = math.prod(a.shape)
+    rel_l2: float | None = None
+    if len(changed) == 1 and len(across) == 1:
+        at = [0, 0]
+        at[axis], at[1 - axis] = int(changed[0]), int(across[0])
+        parts.append(f"1 of {total} elements, at [{at[0]}, {at[1]}] in the reference's order")
+        if sums_a[2] > 0:
+            rel_l2 = abs(float(aligned[1 - axis][at[1 - axis]] - kept[at[1 - axis]])) / sums_a[2]
+    else:
+        parts.append(f"{name} {_listed(changed)} and {other} {_listed(across)} differ")
+    if rel_l2 is None:
+        rel_l2 = float(numpy.linalg.norm(numpy.concatenate(aligned) - numpy.concatenate(lines_a)))
+        rel_l2 /= float(numpy.linalg.norm(numpy.concatenate(lines_a))) or 1.0
+        parts.append(f"rel_l2 ~{rel_l2:.3g} (from row and column sums)")
+    else:
+        parts.append(f"rel_l2 {rel_l2:.3g}")
+    return ", ".join(parts), rel_l2
+
+
+def _line_order(
+    ours: ParamPrint, theirs: ParamPrint, axis: int, ref_sums: numpy.ndarray, cand_sums: numpy.ndarray
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """For each of the reference's lines along ``axis``, the candidate's line standing for it: the one hashing alike,
+    else the next by rank of sums among those left; and the reference positions no candidate line hashes alike."""
+    mine = numpy.frombuffer((ours.row_bytes, ours.col_bytes)[axis], dtype="<u8")
+    held = numpy.frombuffer((theirs.row_bytes, theirs.col_bytes)[axis], dtype="<u8")
+    size = ours.shape[axis]
+    if len(mine) != size or len(held) != size:
+        mine = held = numpy.zeros(0, dtype="<u8")
+    where = {int(value): position for position, value in enumerate(held.tolist())}
+    order = numpy.full(size, -1)
+    for position, value in enumerate(mine.tolist()):
+        found = where.pop(int(value), None)
+        if found is not None:
+            order[position] = found
+    used = set(order[order >= 0].tolist())
+    left = [position for position in numpy.argsort(cand_sums, kind="stable").tolist() if position not in used]
+    missing = numpy.flatnonzero(order < 0)
+    for position, found in zip(missing[numpy.argsort(ref_sums[missing], kind="stable")].tolist(), left, strict=False):
+        order[position] = found
+    return order, missing
+
+
 def _located(ours: ParamPrint, theirs: ParamPrint) -> tuple[str, tuple[int, int] | None] | None:
     """Where two same-shape 2-D tensors differ, from their row and column hashes."""
     if not ours.row_bytes or not theirs.row_bytes or ours.shape != theirs.shape:

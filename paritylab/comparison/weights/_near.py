@@ -17,47 +17,123 @@ from paritylab.comparison.weights._records import (
 from paritylab.tracing.structure import ParamPrint
 
 
-def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, tuple[Held, float, bool]]:
-    """Candidate tensor id -> (the reference tensor it is nearest, the distance, whether transposed), for the
-    candidate tensors that lie near one reference tensor and clearly nearer it than any other; each reference
-    tensor taken once, nearest first."""
+@dataclasses.dataclass(frozen=True)
+class Near:
+    """The reference tensor a candidate tensor is a near copy of, and how it lies."""
+
+    twin: Held
+    distance: float
+    flipped: bool = False
+    """Transposed: the candidate's rows against the reference's columns."""
+    reordered: int | None = None
+    """The axis the candidate holds in another order (0: rows, 1: columns), its values near the reference's in that
+    order: a layout a port's code reads so (x-transformers' output projection takes its heads in its own order), with
+    a defect on top."""
+
+
+def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
+    """Candidate tensor id -> the reference tensor it is nearest (:class:`Near`), for the candidate tensors that lie
+    near one reference tensor and clearly nearer it than any other; each reference tensor taken once, nearest
+    first."""
     by_shape: dict[tuple[int, ...], list[Held]] = {}
     for item in ours:
         by_shape.setdefault(item.print.shape, []).append(item)
-    proposals: list[tuple[float, int, Held, Held, bool]] = []
+    proposals: list[tuple[float, int, Near, Held]] = []
     for order, item in enumerate(theirs):
         if not item.print.sketch:
             continue
         shape = item.print.shape
-        scored: list[tuple[float, Held, bool]] = []
+        scored: list[Near] = []
         for twin in by_shape.get(shape, ()):
             distance = _distance(twin.print, item.print, False)
-            if _mostly_in_place(twin.print, item.print):  # most rows and columns as they were: a defect in a few
+            in_place = _mostly_in_place(twin.print, item.print)
+            if in_place:  # most rows and columns as they were: a defect in a few
                 distance = min(distance, NEAR * _differing_share(twin.print, item.print))
-            scored.append((distance, twin, False))
+            by_sums, apart = _reordered_distance(twin.print, item.print)
+            moved = _moved_lines(twin.print, item.print)
+            if moved is not None:  # hashes prove one axis reordered, explaining more than comparing in place
+                axis, share = moved
+                scored.append(Near(twin, min(apart if by_sums == axis else math.inf, NEAR * share), reordered=axis))
+            elif not in_place and apart < UNIQUE * distance:  # no hash says where; the sums say reordered, clearly
+                scored.append(Near(twin, apart, reordered=by_sums))
+            else:
+                scored.append(Near(twin, distance))
         if len(shape) == 2:
             turned = _transposed(item.print)
             for twin in by_shape.get(shape[::-1], ()):
                 distance = _distance(twin.print, item.print, True)
                 if _mostly_in_place(twin.print, turned):  # a transposed layout (an unembedding against embeddings)
                     distance = min(distance, NEAR * _differing_share(twin.print, turned))
-                scored.append((distance, twin, True))
-        scored = [entry for entry in scored if math.isfinite(entry[0])]
+                scored.append(Near(twin, distance, flipped=True))
+        scored = [entry for entry in scored if math.isfinite(entry.distance)]
         if not scored:
             continue
-        scored.sort(key=lambda entry: (entry[0], entry[1].print.name != item.print.name))
-        best, twin, flipped = scored[0]
-        others = [entry for entry in scored[1:] if entry[1].print.digest != twin.print.digest]  # copies are one
-        second = others[0][0] if others else math.inf
-        namesake = not others and twin.print.name == item.print.name and _only(item, theirs)
-        if (best < NEAR or (namesake and best < NEAR_NAMESAKE)) and best <= UNIQUE * second:
-            proposals.append((best, order, twin, item, flipped))
+        scored.sort(key=lambda entry: (entry.distance, entry.twin.print.name != item.print.name))
+        best = scored[0]
+        others = [entry for entry in scored[1:] if entry.twin.print.digest != best.twin.print.digest]  # copies: one
+        second = others[0].distance if others else math.inf
+        namesake = not others and best.twin.print.name == item.print.name and _only(item, theirs)
+        if (best.distance < NEAR or (namesake and best.distance < NEAR_NAMESAKE)) and best.distance <= UNIQUE * second:
+            proposals.append((best.distance, order, best, item))
     taken: set[int] = set()
-    found: dict[int, tuple[Held, float, bool]] = {}
-    for distance, _, twin, item, flipped in sorted(proposals, key=lambda entry: entry[:2]):
-        if id(twin) not in taken:
-            taken.add(id(twin))
-            found[id(item)] = (twin, distance, flipped)
+    found: dict[int, Near] = {}
+    for _, _, near, item in sorted(proposals, key=lambda entry: entry[:2]):
+        if id(near.twin) not in taken:
+            taken.add(id(near.twin))
+            found[id(item)] = near
+    return found
+
+
+def _moved_lines(ours: ParamPrint, theirs: ParamPrint) -> tuple[int, float] | None:
+    """The axis two same-shape 2-D tensors hold in another order, proven by hashes, where that explains their
+    difference with fewer changed elements than comparing them in place: a line's hash is the sum of its elements'
+    hashes, so columns reordered leave every row's hash as it was and move the columns' hashes. With the lines kept
+    in place differing at ``k`` positions and ``m`` of the moved axis's lines found nowhere in the other, ``k * m``
+    elements at most changed, against rows times columns differing in place. The axis, and the share of its lines
+    found nowhere."""
+    if not ours.row_bytes or not theirs.row_bytes or ours.shape != theirs.shape or len(ours.shape) != 2:
+        return None
+    lines = [
+        (numpy.frombuffer(a, dtype="<u8"), numpy.frombuffer(b, dtype="<u8"))
+        for a, b in ((ours.row_bytes, theirs.row_bytes), (ours.col_bytes, theirs.col_bytes))
+    ]
+    if any(len(a) != size or len(b) != size for (a, b), size in zip(lines, ours.shape, strict=True)):
+        return None
+    in_place = [int(numpy.count_nonzero(a != b)) for a, b in lines]
+    best: tuple[int, float] | None = None
+    bound = in_place[0] * in_place[1]
+    for axis in (0, 1):
+        a, b = lines[axis]
+        found = numpy.isin(a, b)
+        missing = int(numpy.count_nonzero(~found))
+        moved_here = in_place[axis] - missing  # lines found elsewhere than where the reference holds them
+        if moved_here <= 0 or missing * 2 >= len(a):
+            continue
+        cost = in_place[1 - axis] * missing
+        if cost < bound:
+            best, bound = (axis, missing / len(a)), cost
+    return best
+
+
+def _reordered_distance(ours: ParamPrint, theirs: ParamPrint) -> tuple[int | None, float]:
+    """The relative distance of two same-shape 2-D tensors' sums with one axis's order set aside: that axis's sums
+    compared sorted, the other axis's in place (each row's sum does not depend on the order of its columns). The
+    axis of the smaller distance, and it; ``(None, inf)`` where the sums are missing or the shapes are not 2-D. Two
+    unrelated weights of one shape differ on the axis kept in place as much as anywhere, so only a tensor whose
+    values were put in another order along one axis, then changed a little, comes out near."""
+    a, b = ours.sums, theirs.sums
+    if a is None or b is None or len(ours.shape) != 2 or ours.shape != theirs.shape:
+        return None, math.inf
+    scale = float(numpy.linalg.norm(numpy.concatenate([a[0], a[1]])))
+    if scale == 0.0:
+        return None, math.inf
+    found: tuple[int | None, float] = (None, math.inf)
+    for axis in (0, 1):
+        kept, moved = 1 - axis, axis
+        apart = numpy.concatenate([b[kept] - a[kept], numpy.sort(b[moved]) - numpy.sort(a[moved])])
+        distance = float(numpy.linalg.norm(apart)) / scale
+        if distance < found[1]:
+            found = (axis, distance)
     return found
 
 

@@ -94,6 +94,11 @@ class WeightLedger:
     module_pairs: dict[str, str] = field(default_factory=dict)
     """Reference module -> candidate module, for modules whose own tensors match one to one with at least one
     differing: the alignment pairs them whatever their names and classes."""
+    orders: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    """(Reference module, candidate module) -> (axis, order), where the candidate's weight is a near copy of the
+    reference's with its rows (axis 0: output features) or columns (1: input features) in another order: for each
+    of the reference's features, where the candidate holds it. Output projections reading attention heads in their
+    own order keep it with a defect on top; the alignment compares their inputs (or outputs) in that order."""
 
     @property
     def differing(self) -> list[WeightFinding]:
