@@ -321,10 +321,16 @@ class Report:
             )
             if reader is None:
                 continue
-            own = by_path.get(finding.reference_module)
-            if own is not None and first.index != own.index and first.index not in set(ancestors(own, by_index)):
-                continue  # it runs, unpaired: divergence starting elsewhere, its input agreeing, says it agrees
             around = set(ancestors(first, by_index))
+            own = by_path.get(finding.reference_module)
+            if own is not None:  # it runs, unpaired: the candidate computes it in the code of another module
+                if first.index != own.index and first.index not in set(ancestors(own, by_index)):
+                    continue  # divergence starting elsewhere, its input agreeing, says it agrees
+                holder = [
+                    row for row in self.rows if row.path in judged and _candidate_path(row) == finding.candidate_module
+                ]
+                if any(row.index == first.index or row.index in around for row in holder):
+                    continue  # the candidate module holding the tensor is paired, and divergence starts there
             encloses = reader.index == first.index or reader.index in around
             earlier = reader.diverged and reader.index < first.index
             if encloses or first.index in set(ancestors(reader, by_index)) or earlier:
@@ -432,3 +438,7 @@ def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
 def primary_input(call: CallRecord) -> Node | None:
     slot = first_tensor_slot(call.inputs, "inputs")
     return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None
+
+
+def _candidate_path(row: Row) -> str | None:
+    return row.candidate.key.rsplit("#", 1)[0] if row.candidate is not None else None
