@@ -307,11 +307,15 @@ class Report:
             return None
         by_path: dict[str, Row] = {}
         judged: set[str] = set()
+        paired_with: dict[str, set[int]] = {}  # candidate module -> the judged rows of its calls
         for row in self.rows:
             by_path.setdefault(row.path, row)  # its first call
             if row.status in ("compared", "stats-only", "shape-mismatch", "error"):
                 judged.add(row.path)
+                if row.candidate is not None:
+                    paired_with.setdefault(row.candidate.key.rsplit("#", 1)[0], set()).add(row.index)
         by_index = {row.index: row for row in self.rows}
+        around = {first.index, *ancestors(first, by_index)}
         found: list[tuple[int, WeightFinding, Row]] = []
         for finding in self.alignment.weights.differing:
             if finding.reference_module in judged:
@@ -321,17 +325,13 @@ class Report:
             )
             if reader is None:
                 continue
-            around = set(ancestors(first, by_index))
             own = by_path.get(finding.reference_module)
             if own is not None:  # it runs, unpaired: the candidate computes it in the code of another module
                 if first.index != own.index and first.index not in set(ancestors(own, by_index)):
                     continue  # divergence starting elsewhere, its input agreeing, says it agrees
-                holder = [
-                    row for row in self.rows if row.path in judged and _candidate_path(row) == finding.candidate_module
-                ]
-                if any(row.index == first.index or row.index in around for row in holder):
+                if paired_with.get(finding.candidate_module, set()) & around:
                     continue  # the candidate module holding the tensor is paired, and divergence starts there
-            encloses = reader.index == first.index or reader.index in around
+            encloses = reader.index in around
             earlier = reader.diverged and reader.index < first.index
             if encloses or first.index in set(ancestors(reader, by_index)) or earlier:
                 found.append((reader.index, finding, reader))
@@ -438,7 +438,3 @@ def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
 def primary_input(call: CallRecord) -> Node | None:
     slot = first_tensor_slot(call.inputs, "inputs")
     return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None
-
-
-def _candidate_path(row: Row) -> str | None:
-    return row.candidate.key.rsplit("#", 1)[0] if row.candidate is not None else None

@@ -50,23 +50,25 @@ def _describe(ours: Held, theirs: Held, flipped: bool) -> tuple[str, float | Non
     return ", ".join(parts), rel_l2
 
 
-def _describe_reordered(ours: Held, theirs: Held, axis: int) -> tuple[str, float | None]:
+def _describe_reordered(ours: Held, theirs: Held, axis: int) -> tuple[str, float, tuple[int, ...]]:
     """What differs between a candidate tensor holding the reference's rows (``axis`` 0) or columns (1) in another
     order and that reference tensor, compared in the reference's order: each of the candidate's lines along ``axis``
-    put where the reference holds one hashing alike, the rest by the rank of their sums."""
+    put where the reference holds one hashing alike, the rest by the rank of their sums. With its relative L2 error
+    and that order (for each reference line, the candidate's: :attr:`WeightLedger.orders`)."""
     a, b = ours.print, theirs.print
     sums_a, sums_b = a.sums, b.sums
     assert sums_a is not None and sums_b is not None
     name, other = ("rows", "columns")[axis], ("rows", "columns")[1 - axis]
     lines_a, lines_b = (sums_a[0], sums_a[1]), (sums_b[0], sums_b[1])
     order, changed = _line_order(a, b, axis, lines_a[axis], lines_b[axis])
+    held = tuple(int(at) for at in order)
     aligned = list(lines_b)
     aligned[axis] = lines_b[axis][order]
     parts = [f"its {name} in another order (compared in the reference's order)"]
     scale = _scale(numpy.concatenate(lines_a), numpy.concatenate(aligned))
     if scale is not None:
         parts.append(f"scaled by {scale:.4g}")
-        return ", ".join([*parts, f"rel_l2 {abs(scale - 1.0):.3g}"]), abs(scale - 1.0)
+        return ", ".join([*parts, f"rel_l2 {abs(scale - 1.0):.3g}"]), abs(scale - 1.0), held
     kept = lines_a[1 - axis]
     apart = numpy.abs(aligned[1 - axis] - kept)  # the lines kept in place: most agree to their sums' rounding
     tolerance = max(8.0 * float(numpy.median(apart)), 1e-6 * float(numpy.abs(kept).max(initial=0.0)))
@@ -87,7 +89,7 @@ def _describe_reordered(ours: Held, theirs: Held, axis: int) -> tuple[str, float
         parts.append(f"rel_l2 ~{rel_l2:.3g} (from row and column sums)")
     else:
         parts.append(f"rel_l2 {rel_l2:.3g}")
-    return ", ".join(parts), rel_l2
+    return ", ".join(parts), rel_l2, held
 
 
 def _line_order(

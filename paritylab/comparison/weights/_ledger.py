@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from paritylab.comparison.weights._blocks import Fibers, _by_blocks, _by_part, _by_tiles
-from paritylab.comparison.weights._describe import _describe, _describe_reordered, _line_order, _values_differ
+from paritylab.comparison.weights._describe import _describe, _describe_reordered, _values_differ
 from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
 from paritylab.comparison.weights._near import _nearest, _nearest_shifted
 from paritylab.comparison.weights._records import (
@@ -109,14 +109,10 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
         twin = match.twin
         copies = sorted({other.module for other in ours if other.print.digest == twin.print.digest})
         ledger.near_modules.setdefault(item.module, set()).update(copies or {twin.module})
+        rel_l2: float | None
         if match.reordered is not None:
-            detail, rel_l2 = _describe_reordered(twin, item, match.reordered)
-            sums_a, sums_b = twin.print.sums, item.print.sums
-            if sums_a is not None and sums_b is not None:
-                axis = match.reordered
-                lines_a, lines_b = (sums_a[0], sums_a[1]), (sums_b[0], sums_b[1])
-                order, _ = _line_order(twin.print, item.print, axis, lines_a[axis], lines_b[axis])
-                ledger.orders[(twin.module, item.module)] = (axis, tuple(int(at) for at in order))
+            detail, rel_l2, order = _describe_reordered(twin, item, match.reordered)
+            ledger.orders[(twin.module, item.module)] = (match.reordered, order)
         else:
             detail, rel_l2 = _describe(twin, item, match.flipped)
         if len(copies) > 1:  # which copy, the order of the calls tells (the alignment), not the values
