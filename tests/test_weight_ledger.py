@@ -713,3 +713,62 @@ def test_an_unrelated_weight_of_the_same_shape_is_near_nothing_in_any_order():
     other = nn.Sequential(nn.Linear(32, 16, bias=False))
     ledger = weight_ledger(fingerprint(reference), fingerprint(other))
     assert ledger.differing == [] and ledger.orders == {} and ledger.unmatched == ["0.weight"]
+
+
+class _Projected(nn.Module):
+    """A projection module then an output one; ``inline``: the projection's weight read by the block's own code
+    (``F.linear`` on it), its module never called, as mambapy reads ``dt_proj``."""
+
+    def __init__(self, inline: bool) -> None:
+        super().__init__()
+        self.inline = inline
+        self.inner, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.linear(x, self.inner.weight, self.inner.bias) if self.inline else self.inner(x)
+        return self.out(F.gelu(hidden))
+
+
+def test_a_weight_whose_reference_module_runs_unpaired_is_named_at_that_module(tmp_path):
+    """The reference calls ``inner``; the candidate reads the same weight in its own code, so the reference's calls
+    of ``inner`` have no counterpart and no row judges the weight. Scaled by 1.01 by a conversion, it is named at
+    ``inner`` through the weight ledger, not at the model around it; the clean port passes."""
+    torch.manual_seed(0)
+    reference, candidate = _Projected(inline=False), _Projected(inline=True)
+    candidate.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=lambda m: m(x)).report
+    assert clean.passed, headline(clean)
+    with torch.no_grad():
+        candidate.inner.weight.mul_(1.01)
+    report = check(reference, candidate, tmp_path / "scaled", reference_call=lambda m: m(x)).report
+    assert not report.passed and report.weight_origin is not None
+    assert report.summary()["first_divergence"] == "inner"
+    line = headline(report)
+    assert line.startswith("FAIL: divergence starts at inner (weight rel_l2 0.01): its weight differs, inner.weight")
+    assert "its calls have no counterpart: the candidate computes it in <root>'s own code" in line
+
+
+class _Halved(_Projected):
+    """The projection stored halved and doubled by the block's own code: a correct port whose weight the ledger
+    finds "scaled by 0.5" (as MONAI's cls_token holds the reference's plus its position)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(F.linear(x, 2 * self.inner.weight, self.inner.bias)))
+
+
+def test_a_standing_weight_difference_is_not_named_for_a_bug_elsewhere(tmp_path):
+    """A weight finding of a correct port (stored halved, doubled in code) at a reference module that runs unpaired
+    explains nothing when divergence starts at another module whose input agrees: a 1 % error in ``out``'s output is
+    named at ``out``."""
+    torch.manual_seed(0)
+    reference, candidate = _Projected(inline=False), _Halved(inline=True)
+    candidate.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        candidate.inner.weight.mul_(0.5)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=lambda m: m(x)).report
+    assert clean.passed and [f.detail for f in clean.alignment.weights.differing] != []
+    candidate.out.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    report = check(reference, candidate, tmp_path / "planted", reference_call=lambda m: m(x)).report
+    assert report.weight_origin is None and report.summary()["first_divergence"] == "out", headline(report)
