@@ -39,6 +39,13 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
     for item in ours:
         by_shape.setdefault(item.print.shape, []).append(item)
     proposals: list[tuple[float, int, Near, Held]] = []
+    prepared: dict[int, _Lines] = {}
+
+    def lines(item: Held) -> _Lines:
+        if id(item) not in prepared:
+            prepared[id(item)] = _Lines.of(item.print)
+        return prepared[id(item)]
+
     for order, item in enumerate(theirs):
         if not item.print.sketch:
             continue
@@ -49,8 +56,8 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
             in_place = _mostly_in_place(twin.print, item.print)
             if in_place:  # most rows and columns as they were: a defect in a few
                 distance = min(distance, NEAR * _differing_share(twin.print, item.print))
-            by_sums, apart = _reordered_distance(twin.print, item.print)
-            moved = _moved_lines(twin.print, item.print)
+            by_sums, apart = _reordered_distance(lines(twin), lines(item))
+            moved = _moved_lines(lines(twin), lines(item))
             if moved is not None:  # hashes prove one axis reordered, explaining more than comparing in place
                 axis, share = moved
                 scored.append(Near(twin, min(apart if by_sums == axis else math.inf, NEAR * share), reordered=axis))
@@ -84,28 +91,57 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
     return found
 
 
-def _moved_lines(ours: ParamPrint, theirs: ParamPrint) -> tuple[int, float] | None:
+@dataclasses.dataclass(frozen=True)
+class _Lines:
+    """A 2-D tensor's fingerprint prepared once for the comparisons that set an axis's order aside (each tensor meets
+    every other of its shape): per axis its lines' hashes, as an array and as a set, its sums and its sums sorted."""
+
+    shape: tuple[int, ...]
+    hashes: tuple[numpy.ndarray, numpy.ndarray] | None
+    held: tuple[frozenset[int], frozenset[int]]
+    sums: tuple[numpy.ndarray, numpy.ndarray] | None
+    ordered: tuple[numpy.ndarray, numpy.ndarray] | None
+    scale: float
+
+    @classmethod
+    def of(cls, item: ParamPrint) -> _Lines:
+        hashes: tuple[numpy.ndarray, numpy.ndarray] | None = None
+        if item.row_bytes and len(item.shape) == 2:
+            rows, cols = (numpy.frombuffer(raw, dtype="<u8") for raw in (item.row_bytes, item.col_bytes))
+            if (len(rows), len(cols)) == item.shape:
+                hashes = (rows, cols)
+        sums = item.sums
+        lines = (sums[0], sums[1]) if sums is not None and len(item.shape) == 2 else None
+        return cls(
+            shape=item.shape,
+            hashes=hashes,
+            held=(frozenset(hashes[0].tolist()), frozenset(hashes[1].tolist())) if hashes else (frozenset(),) * 2,
+            sums=lines,
+            ordered=(numpy.sort(lines[0]), numpy.sort(lines[1])) if lines else None,
+            scale=float(numpy.linalg.norm(numpy.concatenate(lines))) if lines else 0.0,
+        )
+
+
+def _moved_lines(ours: _Lines, theirs: _Lines) -> tuple[int, float] | None:
     """The axis two same-shape 2-D tensors hold in another order, proven by hashes, where that explains their
     difference with fewer changed elements than comparing them in place: a line's hash is the sum of its elements'
     hashes, so columns reordered leave every row's hash as it was and move the columns' hashes. With the lines kept
     in place differing at ``k`` positions and ``m`` of the moved axis's lines found nowhere in the other, ``k * m``
     elements at most changed, against rows times columns differing in place. The axis, and the share of its lines
     found nowhere."""
-    if not ours.row_bytes or not theirs.row_bytes or ours.shape != theirs.shape or len(ours.shape) != 2:
+    if ours.hashes is None or theirs.hashes is None or ours.shape != theirs.shape:
         return None
-    lines = [
-        (numpy.frombuffer(a, dtype="<u8"), numpy.frombuffer(b, dtype="<u8"))
-        for a, b in ((ours.row_bytes, theirs.row_bytes), (ours.col_bytes, theirs.col_bytes))
-    ]
-    if any(len(a) != size or len(b) != size for (a, b), size in zip(lines, ours.shape, strict=True)):
-        return None
-    in_place = [int(numpy.count_nonzero(a != b)) for a, b in lines]
+    shared = [not mine.isdisjoint(other) for mine, other in zip(ours.held, theirs.held, strict=True)]
+    if not any(shared):
+        return None  # no line of either axis found anywhere in the other: nothing moved
+    in_place = [int(numpy.count_nonzero(a != b)) for a, b in zip(ours.hashes, theirs.hashes, strict=True)]
     best: tuple[int, float] | None = None
     bound = in_place[0] * in_place[1]
     for axis in (0, 1):
-        a, b = lines[axis]
-        found = numpy.isin(a, b)
-        missing = int(numpy.count_nonzero(~found))
+        if not shared[axis]:
+            continue
+        a, b = ours.hashes[axis], theirs.hashes[axis]
+        missing = int(numpy.count_nonzero(~numpy.isin(a, b)))
         moved_here = in_place[axis] - missing  # lines found elsewhere than where the reference holds them
         if moved_here <= 0 or missing * 2 >= len(a):
             continue
@@ -115,23 +151,22 @@ def _moved_lines(ours: ParamPrint, theirs: ParamPrint) -> tuple[int, float] | No
     return best
 
 
-def _reordered_distance(ours: ParamPrint, theirs: ParamPrint) -> tuple[int | None, float]:
+def _reordered_distance(ours: _Lines, theirs: _Lines) -> tuple[int | None, float]:
     """The relative distance of two same-shape 2-D tensors' sums with one axis's order set aside: that axis's sums
     compared sorted, the other axis's in place (each row's sum does not depend on the order of its columns). The
     axis of the smaller distance, and it; ``(None, inf)`` where the sums are missing or the shapes are not 2-D. Two
     unrelated weights of one shape differ on the axis kept in place as much as anywhere, so only a tensor whose
     values were put in another order along one axis, then changed a little, comes out near."""
     a, b = ours.sums, theirs.sums
-    if a is None or b is None or len(ours.shape) != 2 or ours.shape != theirs.shape:
+    if a is None or b is None or ours.ordered is None or theirs.ordered is None or ours.shape != theirs.shape:
         return None, math.inf
-    scale = float(numpy.linalg.norm(numpy.concatenate([a[0], a[1]])))
-    if scale == 0.0:
+    if ours.scale == 0.0:
         return None, math.inf
     found: tuple[int | None, float] = (None, math.inf)
     for axis in (0, 1):
-        kept, moved = 1 - axis, axis
-        apart = numpy.concatenate([b[kept] - a[kept], numpy.sort(b[moved]) - numpy.sort(a[moved])])
-        distance = float(numpy.linalg.norm(apart)) / scale
+        kept = 1 - axis
+        apart = numpy.concatenate([b[kept] - a[kept], theirs.ordered[axis] - ours.ordered[axis]])
+        distance = float(numpy.linalg.norm(apart)) / ours.scale
         if distance < found[1]:
             found = (axis, distance)
     return found
