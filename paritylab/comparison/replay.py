@@ -181,11 +181,39 @@ def layer_replay(
     layer's output error is everything that happens inside it and nothing before. Returns candidate call key ->
     that relative L2 error (what a per-layer "own error" chart shows: the isolated replay's own error of a
     layer is only its code between its children). Nothing is written: each output is measured as it is made."""
-    wanted = {
-        pair.candidate: found
-        for pair in alignment.pairs
-        if pair.candidate in layers and (found := _replacement(reference, candidate_trace, pair)) is not None
-    }
+    return _measured_replay(candidate, run, reference, candidate_trace, alignment, layers, forced=set(layers))
+
+
+def own_errors(
+    candidate: nn.Module,
+    run: Callable[[nn.Module], Any],
+    reference: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    measured: Collection[str],
+) -> dict[str, float]:
+    """The isolated replay's own error (relative L2) of each of ``measured`` (candidate call keys), every aligned
+    call forced to the reference's value as :func:`isolated_replay` does, under ``alignment`` (which may put a
+    module's reference values in another order than the free run's): the largest over a fused call's parts.
+    Nothing is written: each output is measured as it is made."""
+    return _measured_replay(candidate, run, reference, candidate_trace, alignment, measured, forced=None)
+
+
+def _measured_replay(
+    candidate: nn.Module,
+    run: Callable[[nn.Module], Any],
+    reference: Trace,
+    candidate_trace: Trace,
+    alignment: Alignment,
+    measured: Collection[str],
+    forced: Collection[str] | None,
+) -> dict[str, float]:
+    """The candidate run once with the calls in ``forced`` (all aligned calls: None) given the reference's values;
+    each call in ``measured`` compared, before it is replaced, with its reference value(s)."""
+    wanted: dict[str, list[_Replacement]] = {}
+    for pair in alignment.pairs:
+        if pair.candidate in measured and (found := _replacement(reference, candidate_trace, pair)) is not None:
+            wanted.setdefault(pair.candidate, []).append(found)
     errors: dict[str, float] = {}
     counts: dict[str, int] = {}
     paths = {key.rsplit("#", 1)[0] for key in wanted}
@@ -194,22 +222,15 @@ def layer_replay(
         def hook(_: nn.Module, __: tuple[Any, ...], output: Any) -> None:
             key = f"{path}#{counts.get(path, 0)}"
             counts[path] = counts.get(path, 0) + 1
-            target = wanted.get(key)
-            value = _slot(output, target.slot.split(".")[1:]) if target is not None else None
-            if target is None or not isinstance(value, torch.Tensor):
-                return
-            if target.cut is not None:
-                value = target.cut.select(value)
-            expected = target.value.to(device=value.device, dtype=torch.float64)
-            value = in_layout(value, expected.shape)
-            if value.shape == expected.shape:
-                difference = float(torch.linalg.vector_norm(value.detach().to(torch.float64) - expected))
-                errors[key] = difference / max(float(torch.linalg.vector_norm(expected)), 1e-30)
+            for target in wanted.get(key, ()):
+                error = _error(_slot(output, target.slot.split(".")[1:]), target)
+                if error is not None:
+                    errors[key] = max(errors.get(key, 0.0), error)
 
         return hook
 
-    with teacher_forcing(candidate, reference, candidate_trace, alignment, only=set(wanted)):
-        handles = [  # before the forcing hooks: they see the layer's own output, not the reference's
+    with teacher_forcing(candidate, reference, candidate_trace, alignment, only=forced):
+        handles = [  # before the forcing hooks: they see the call's own output, not the reference's
             module.register_forward_hook(measure(path), prepend=True)
             for path, module in candidate.named_modules()
             if path in paths
@@ -221,6 +242,20 @@ def layer_replay(
             for handle in handles:
                 handle.remove()
     return errors
+
+
+def _error(value: Any, target: _Replacement) -> float | None:
+    """Relative L2 of ``value`` (a call's output, its part ``target.cut``) against the reference's value."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if target.cut is not None:
+        value = target.cut.select(value)
+    expected = target.value.to(device=value.device, dtype=torch.float64)
+    value = in_layout(value, expected.shape)
+    if value.shape != expected.shape:
+        return None
+    difference = float(torch.linalg.vector_norm(value.detach().to(torch.float64) - expected))
+    return difference / max(float(torch.linalg.vector_norm(expected)), 1e-30)
 
 
 def _slot(value: Any, parts: list[str]) -> Any:

@@ -28,6 +28,7 @@ from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
+from paritylab.run.layouts import judge_layouts
 from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift, mapped_call
 from paritylab.run.resident import available_memory, converted_bytes, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
@@ -434,6 +435,8 @@ def judge_with_replay(
                 candidate=candidate_trace,
             )
     if not judged.passed:
+        yardsticks = floors.local_metrics if floors is not None else None
+        judged = judge_layouts(judged, candidate, candidate_call, reference_trace, candidate_trace, yardsticks)
         add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
     return judged, floors
 
