@@ -135,6 +135,36 @@ def test_a_candidate_that_returns_less_is_judged_on_what_it_returns(tmp_path):
     )
 
 
+class Pooled(nn.Module):
+    """Returns ``(hidden, pooled)``, or (``only_pooled``) the pooled vector alone, made by its own code (a mean, a
+    scale) where no module's call made it: data flow cannot pair it, its shape can."""
+
+    def __init__(self, only_pooled: bool = False, scale: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.proj = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.only_pooled, self.scale = only_pooled, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.proj(self.embed(ids))
+        pooled = hidden.mean(1) * self.scale
+        return pooled if self.only_pooled else (hidden, pooled)
+
+
+@pytest.mark.parametrize(("scale", "verdict"), [(1.0, "pass"), (1.01, "fail")])
+def test_a_candidate_returning_only_a_later_output_is_compared_with_it(tmp_path, scale, verdict):
+    """The reference returns ``(hidden, pooled)``, the port only ``pooled``, made by its own code: the root compares
+    it with the reference's second output (the one its shape fits), not the first, so a correct port passes (it
+    failed at the root before, "rel_l2 -") and a pooled vector 1 % off fails there; the hidden states are covered
+    by the module that made them."""
+    result = check(tmp_path, Pooled(), Pooled(only_pooled=True, scale=scale))
+    root = root_row(result)
+    assert result.verdict == verdict, result.report.summary()
+    assert root.reference.slot == "outputs.1" and root.candidate is not None and root.candidate.slot == "outputs"
+    assert root.rel_l2 == pytest.approx(0.0 if scale == 1.0 else 0.01, abs=1e-6)
+    assert [(check.reference, check.verdict) for check in root.outputs] == [("outputs.0", "covered")]
+
+
 def test_an_output_made_by_a_compared_module_is_covered_there(tmp_path):
     """``Body`` returns ``hidden`` as ``proj`` made it; the reference's body row compares its first output and
     its second is the very tensor the ``proj`` row compared."""

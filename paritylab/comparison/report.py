@@ -409,7 +409,7 @@ def _dataflow_slots(
     the candidate returns is compared."""
     produced = {item["from"]: slot for slot, item in iter_tensors(cand_call.outputs, "outputs") if "from" in item}
     if not produced:
-        return ref_slot, cand_slot
+        return _fitting_slots(ref_call, cand_call, ref_slot, cand_slot)
     if ref_slot == cand_slot and named_slot(ref_slot):  # the same name on both sides: what it names is compared
         ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
         if ref_node is not None and cand_node is not None and shapes_fit(ref_node["shape"], cand_node["shape"]):
@@ -431,6 +431,25 @@ def _dataflow_slots(
         found = counterpart(slot)
         if found is not None:
             return slot, found
+    return _fitting_slots(ref_call, cand_call, ref_slot, cand_slot)
+
+
+def _fitting_slots(
+    ref_call: CallRecord, cand_call: CallRecord, ref_slot: str | None, cand_slot: str | None
+) -> tuple[str | None, str | None]:
+    """The primary slots where their shapes fit or data flow cannot help; else the one reference output the
+    candidate's primary output fits (the same shape, else one :func:`shapes_fit` allows): a port that returns only
+    the pooled vector, made by its own code, of a model returning its hidden states first is compared with that
+    vector, and the reference's other outputs are absent, not a failure."""
+    ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+    if ref_node is None or cand_node is None or shapes_fit(ref_node["shape"], cand_node["shape"]):
+        return ref_slot, cand_slot
+    shape = cand_node["shape"]
+    outputs = list(iter_tensors(ref_call.outputs, "outputs"))
+    for fits in (lambda other: list(other) == list(shape), lambda other: shapes_fit(other, shape)):
+        found = [slot for slot, node in outputs if fits(node["shape"])]
+        if found:
+            return (found[0], cand_slot) if len(found) == 1 else (ref_slot, cand_slot)
     return ref_slot, cand_slot
 
 
