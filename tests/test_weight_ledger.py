@@ -15,6 +15,7 @@ from paritylab.comparison.report import compare_traces
 from paritylab.comparison.weights import weight_ledger
 from paritylab.reports.render import headline
 from paritylab.run.parity import check, trace_model
+from paritylab.sink.dashboard import final_tags
 from paritylab.tracing.structure import ModulePrint, fingerprint
 
 
@@ -350,6 +351,8 @@ def test_every_reference_call_is_accounted_for_and_an_unchecked_difference_is_ne
             "checked (first aux: aux.weight differs from the reference's aux.weight:"
         )
     assert report.to_json()["calls"]["unaccounted"] == ["aux#0"]
+    tags = final_tags(report, report.verdict, None, [])  # what the MLflow run is tagged with
+    assert tags["paritylab.unaccounted"] == "aux" and "checked (first aux" in tags["mlflow.note.content"]
 
 
 def test_calls_inside_a_compared_call_that_agrees_are_covered(tmp_path):

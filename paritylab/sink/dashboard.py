@@ -17,6 +17,7 @@ from paritylab.reports.plots import LAYER, layer_rows, own_error, relative_limit
 from paritylab.reports.render import to_markdown
 from paritylab.sink.tracking import Metric, log10_for_charts, metric_key
 from paritylab.tracing.files import write_json
+from paritylab.tracing.tracefile import display_path
 
 
 def run_verdict(report: Report | None, status: str) -> str:
@@ -46,7 +47,23 @@ def final_tags(report: Report | None, verdict: str, error: str | None, notes: li
     tags["mlflow.note.content"] = description(report, verdict, error, notes)
     if report is not None:
         tags["paritylab.origins"] = ",".join(row.path or "<root>" for row in report.origins) or "none"
+        tags["paritylab.unaccounted"] = unaccounted(report)
     return tags
+
+
+UNACCOUNTED_LISTED = 20
+"""The reference calls nothing checked that the ``paritylab.unaccounted`` tag names (the count is a metric)."""
+
+
+def unaccounted(report: Report) -> str:
+    """The modules of the reference calls nothing checked (no counterpart, no compared call around them), for the
+    ``paritylab.unaccounted`` tag: a run that passes says in the runs table what it did not check."""
+    calls = report.ledger.unaccounted
+    if not calls:
+        return "none"
+    listed = ",".join(display_path(key.rsplit("#", 1)[0]) for key in calls[:UNACCOUNTED_LISTED])
+    more = len(calls) - UNACCOUNTED_LISTED
+    return f"{listed} and {more} more" if more > 0 else listed
 
 
 def description(report: Report | None, verdict: str, error: str | None, notes: list[str]) -> str:
