@@ -98,3 +98,37 @@ def test_every_third_party_import_is_a_declared_dependency():
                 if not owners & declared:
                     missing.add(f"{path.relative_to(PACKAGE)} imports {top} ({', '.join(sorted(owners))})")
     assert sorted(missing) == []
+
+
+def _module_imports(layer: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``layer`` it imports (dotted names under ``paritylab``; function-level imports too;
+    a package's ``__init__`` left out: it re-exports what its modules define)."""
+    root = PACKAGE.parent
+    names = {
+        ".".join(path.relative_to(root).with_suffix("").parts): path
+        for path in (PACKAGE / layer).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = (found & names.keys()) - {name}
+    return graph
+
+
+def test_the_comparison_modules_import_one_another_without_a_cycle():
+    """One judgement, read from the bottom up: no module of the comparison imports one that imports it back, at
+    any distance (``report`` and ``verify`` imported each other once)."""
+    from graphlib import CycleError, TopologicalSorter
+
+    graph = _module_imports("comparison")
+    assert "paritylab.comparison.report" in graph["paritylab.comparison.attribution"]  # the graph is read
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as error:
+        raise AssertionError(f"an import cycle: {' -> '.join(error.args[1])}") from None
