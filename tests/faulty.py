@@ -23,6 +23,17 @@ def scaled_port(reference: nn.Module, module: str, scale: float = 1.01, dtype: s
     return port
 
 
+def element_port(reference: nn.Module, parameter: str, scale: float = 1.01) -> nn.Module:
+    """The LLaVA port with the largest element of one weight scaled: a conversion's bug, in the weights, not in
+    any module's output."""
+    port = from_reference(reference)
+    with torch.no_grad():
+        flat = port.get_parameter(parameter).view(-1)
+        at = int(flat.abs().argmax())
+        flat[at] = flat[at] * scale
+    return port
+
+
 def raising_port(reference: nn.Module, module: str) -> nn.Module:
     """The LLaVA port whose ``module`` raises during the forward."""
     port = from_reference(reference)

@@ -223,6 +223,25 @@ def test_planted_port_bug_is_localised_through_the_app(tmp_path):
     assert heatmap.startswith("<svg") and "language_model.1 rel_l2" in heatmap
 
 
+def test_a_wrong_weight_element_is_named_through_the_app_with_no_weight_map(tmp_path):
+    """One element of one weight ×1.01 (a conversion's bug) through the Hydra route with the port's weight map
+    switched off: the weight ledger, which needs no map, names the module holding it, and MLflow gets the count."""
+    result, client = run_with(
+        tmp_path,
+        "candidate.ports.llava.weight_map=null",
+        "candidate.ports.llava.build._target_=tests.faulty.element_port",
+        "+candidate.ports.llava.build.parameter=llm.layers.1.feed_forward.w2.weight",
+    )
+    assert result.exit_code == EXIT_FAIL
+    run_data = client.get_run(result.run_id).data
+    assert run_data.tags["paritylab.first_divergence"] == "model.language_model.layers.1.mlp.down_proj"
+    assert run_data.metrics["summary/weights_differing"] == 1
+    assert (
+        "llm.layers.1.feed_forward.w2.weight differs from the reference's "
+        "model.language_model.layers.1.mlp.down_proj.weight"
+    ) in run_data.tags["mlflow.note.content"]
+
+
 def test_forward_that_raises_fails_the_run_and_keeps_the_partial_trace(tmp_path):
     result, client = run_with(
         tmp_path,
