@@ -73,3 +73,14 @@ def test_an_excess_beyond_a_few_units_of_the_last_place_is_not_cleared(tmp_path)
     report = run(tmp_path, b=Roundabout(64, 64, detour=4.0))
     assert report.verdict == "fail"
     assert report.first_divergence is not None and report.first_divergence.path == "b"
+
+
+def test_two_real_bugs_are_both_origins_ranked_earliest_first(tmp_path):
+    """A bug in ``b`` and another in ``c`` (each ×1.01, neither cleared): both are origins, ``b`` first, and ``c``
+    is no mere heir of ``b``'s error: its own replay, fed the reference's input, fails on its own."""
+    report = run(tmp_path, b=Roundabout(64, 64, detour=0.0, gain=1.01), c=Roundabout(64, 8, detour=0.0, gain=1.01))
+    assert report.verdict == "fail"
+    assert [row.path for row in report.origins] == ["b", "c"], headline(report)
+    assert report.first_divergence is not None and report.first_divergence.path == "b"
+    c = next(row for row in report.rows if row.path == "c")
+    assert c.cause == "origin" and c.local["local_rel_l2"] == pytest.approx(0.01, rel=0.2)

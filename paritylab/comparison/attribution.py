@@ -199,11 +199,32 @@ def attach_replay(
     report.replay_origins = innermost(own_errors, report.rows)
     low = local_floor is not None and not floor_loosens_only
     _name_culprit(report, reference, replay, low_precision=low, reordered=reordered)
+    _independent_origins(report)
     named = report.first_divergence
     if named is not None and any(culprit is named for culprit, _ in fed_wrong.values()):
         report.culprit_reason = named.note  # what it gave which module, not "its input agrees"
     charge_quiet_weights(report)
     return report
+
+
+def _independent_origins(report: Report) -> None:
+    """No masking: every module whose own error the replay finds (its input the reference's) is an origin of its
+    own, listed after the one where divergence starts, in execution order, whatever happened before it; a module
+    around the one named, or inside it, is not (the named one explains it)."""
+    named = report.first_divergence
+    if named is None:
+        return
+    by_index = {row.index: row for row in report.rows}
+    around = set(ancestors(named, by_index))
+    listed = [*report.origins]
+    for row in report.replay_origins:
+        if any(row is other for other in listed) or row.index in around or named.index in ancestors(row, by_index):
+            continue
+        if row.cause in ("", "inherited"):
+            row.cause = "origin"
+        listed.append(row)
+    first = [row for row in listed if row is named]
+    report.origins = first + sorted((row for row in listed if row is not named), key=lambda row: row.index)
 
 
 CLEARED = "cleared_by_lifted"
