@@ -316,3 +316,40 @@ def test_a_per_head_weight_against_q_rows_interleaved_head_by_head_is_the_gaps_i
         "attention.W_Q differs from the reference's attention.qkv.weight rows 0-7, rows 24-31, rows 48-55, "
         "rows 72-79: scaled by 1.01, rel_l2 0.01"
     )
+
+
+def _interleaved_heads(reference: Block) -> None:
+    """GPT-NeoX's layout of the fused projection: ``[q_h; k_h; v_h]`` for each head ``h`` in turn."""
+    fused = reference.attention
+    assert isinstance(fused, FusedAttention)
+    with torch.no_grad():
+        order = torch.arange(3 * WIDTH).unflatten(0, (3, HEADS, HEAD)).transpose(0, 1).flatten()
+        fused.qkv.weight.copy_(fused.qkv.weight[order].clone())
+        fused.qkv.bias.copy_(fused.qkv.bias[order].clone())
+
+
+def test_a_head_copied_over_another_where_no_neighbour_places_it_is_a_certain_finding(tmp_path):
+    """Head 0's query loaded with head 1's where the fused rows interleave q, k and v head by head: no neighbouring
+    block tells which rows the copy stands for, but head 1's rows are held twice and head 0's by no candidate tensor.
+    A finding whatever its size (the run fails at the attention even where near uniform attention hides the wrong
+    query: the NeoX pair's bf16 plant passed before), named where the fused rows are read. Repeating rows while holding
+    every row (a port repeating key heads) is no finding."""
+    reference, candidate = attention_pair("heads")
+    _interleaved_heads(reference)
+    (finding,) = ledger_of(reference, candidate).differing
+    assert finding.certain and finding.rel_l2 is None and finding.candidate_module == "attention"
+    assert finding.candidate in ("attention.W_Q [0, :, :]", "attention.W_Q [1, :, :]")
+    assert finding.detail.startswith("a copy of the reference's attention.qkv.weight rows 24-31, which attention.W_Q [")
+    assert finding.detail.endswith("while 8 fibers of attention.qkv.weight are held by no candidate tensor: a block "
+                                   "loaded from the wrong place")  # fmt: skip
+    x = torch.randn(2, 6, WIDTH, generator=torch.Generator().manual_seed(1)) * 0.1
+    report = run(reference, candidate, tmp_path, torch.bfloat16, x).report
+    assert report.first_divergence is not None, headline(report)
+    assert report.first_divergence.path in ("attention", "attention.qkv") and "a copy of the reference's" in headline(
+        report
+    )
+
+    keys, repeated = nn.Linear(WIDTH, 2 * HEAD, bias=False), nn.Linear(WIDTH, 4 * HEAD, bias=False)
+    with torch.no_grad():  # two key heads, each held twice (a port repeating grouped key heads): every row held
+        repeated.weight.copy_(keys.weight.unflatten(0, (2, HEAD)).repeat_interleave(2, dim=0).flatten(0, 1))
+    assert ledger_of(keys, repeated).differing == []

@@ -185,7 +185,7 @@ def charge_quiet_weights(report: Report) -> None:
         return
     found: list[tuple[int, Row, str]] = []
     for finding in report.alignment.weights.differing:
-        if finding.rel_l2 is None or finding.rel_l2 > QUIET_WEIGHT:
+        if not finding.certain and (finding.rel_l2 is None or finding.rel_l2 > QUIET_WEIGHT):
             continue
         holders = {finding.candidate_module, *module_ancestors(finding.candidate_module)}
         readers = [

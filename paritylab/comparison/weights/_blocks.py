@@ -87,7 +87,7 @@ def _by_blocks(item: Held, fibers: Fibers) -> _Blocks | None:
         return None
     _, view, readings = best
     candidates = [other for other in every if other.length == view.length and other.sums is not None]
-    results = [_analysed(item, view, held_rows, candidates, index) for held_rows in readings]
+    results = [_analysed(item, view, held_rows, candidates, index, fibers.counts) for held_rows in readings]
     return min(results, key=lambda result: (len(result.unmatched), -len(result.findings)))
 
 
@@ -122,6 +122,7 @@ def _analysed(
     held_rows: _Held,
     candidates: list[View],
     index: Mapping[tuple[int, int], list[tuple[View, int]]],
+    counts: Mapping[tuple[int, int], int],
 ) -> _Blocks:
     used: dict[tuple[int, int], set[int]] = {}
     placed: dict[tuple[int, int], dict[int, int]] = {}  # a reference view -> its fibers -> the candidate fibers
@@ -130,7 +131,7 @@ def _analysed(
             used.setdefault(_key(other), set()).add(row)
             placed.setdefault(_key(other), {}).setdefault(row, position)
     result = _Blocks()
-    shift = 0
+    shift, exact = 0, True
     differing: dict[tuple[int, int], tuple[View, WeightFinding]] = {}
     for start, stop in _runs([position for position, found in enumerate(held_rows) if not found]):
         size = stop - start
@@ -150,7 +151,12 @@ def _analysed(
             in_step = _in_step(options, held_rows, start, stop)
             moved = _moved(item, view, start, stop, in_step[0], index) if len(in_step) == 1 else None
             if moved is None:
-                result.unmatched.append(where)
+                copied = _copied(item, view, start, stop, index, counts)
+                if copied is None:
+                    result.unmatched.append(where)
+                else:
+                    result.findings.append(copied)
+                    exact = False  # what it should hold is not known: no fingerprint stands for it
                 continue
             finding, (other, first) = moved, in_step[0]
         result.findings.append(finding)
@@ -163,9 +169,45 @@ def _analysed(
         at = rows.get(0)
         if at is not None and all(rows.get(row) == at + row for row in range(len(other.hashes))):
             result.parts.append((finding, at, at + len(other.hashes)))
-    if result.findings:
+    if result.findings and exact:
         result.twin_digest = (item.print.digest + shift) & MASK
     return result
+
+
+def _copied(
+    item: Held,
+    view: View,
+    start: int,
+    stop: int,
+    index: Mapping[tuple[int, int], list[tuple[View, int]]],
+    counts: Mapping[tuple[int, int], int],
+) -> WeightFinding | None:
+    """A run of candidate fibers that are reference fibers the candidate holds more often than the reference does
+    (every one of them again elsewhere in this tensor), while as many fibers of that reference tensor are held by no
+    candidate tensor at all: a block loaded from the wrong place, whose neighbours do not tell which block it stands
+    for. (A port repeating grouped key heads holds copies too, but leaves no reference fiber unheld.) A finding
+    certain whatever its size; ``None`` where the run is not such a copy."""
+    values = view.hashes[start:stop].tolist()
+    found = [index.get((view.length, value), []) for value in values]
+    if not all(found):
+        return None
+    positions = view.hashes.tolist()
+    if any(positions.count(value) < 2 or counts.get((view.length, value), 0) <= len(where)
+           for value, where in zip(values, found, strict=True)):  # fmt: skip
+        return None
+    source, first = found[0][0]
+    unheld = sum(1 for value in source.hashes.tolist() if not counts.get((view.length, value)))
+    if unheld < stop - start:
+        return None  # every fiber of the reference tensor is held: copies a port means (repeated key heads)
+    twin = next(p for p, value in enumerate(positions) if value == values[0] and not start <= p < stop)
+    held = f"{source.item.name} {source.where(first, first + stop - start)}"
+    detail = (
+        f"a copy of the reference's {held}, which {item.name} {view.where(twin, twin + stop - start)} holds too, "
+        f"while {unheld} fibers of {source.item.name} are held by no candidate tensor: a block loaded from the wrong "
+        "place"
+    )
+    where = f"{item.name} {view.where(start, stop)}"
+    return WeightFinding(where, source.item.name, item.module, source.item.module, "differs", detail, certain=True)
 
 
 def _in_step(options: list[tuple[View, int]], held_rows: _Held, start: int, stop: int) -> list[tuple[View, int]]:

@@ -56,6 +56,9 @@ class WeightFinding:
     or rows reordered; a port may mean it, so it is printed only where divergence starts)."""
     detail: str
     rel_l2: float | None = None
+    certain: bool = False
+    """The values prove a defect whatever its size (a block held twice, the one it stands for held nowhere): the run
+    fails even where every output agrees (:func:`~paritylab.comparison.report.charge_quiet_weights`)."""
 
     def line(self) -> str:
         verb = "differs from" if self.kind == "differs" else "holds"
@@ -70,7 +73,7 @@ class WeightFinding:
             "kind": self.kind,
             "detail": self.detail,
             "rel_l2": self.rel_l2,
-        }
+        } | ({"certain": True} if self.certain else {})
 
 
 @dataclass
