@@ -775,3 +775,18 @@ def test_a_standing_weight_difference_is_not_named_for_a_bug_elsewhere(tmp_path)
     candidate.out.register_forward_hook(lambda _m, _a, out: out * 1.01)
     report = check(reference, candidate, tmp_path / "planted", reference_call=lambda m: m(x)).report
     assert report.weight_origin is None and report.summary()["first_divergence"] == "out", headline(report)
+
+
+def test_a_norm_held_more_often_by_the_candidate_still_has_a_twin_when_one_copy_differs():
+    """GPT-J's parallel block normalises once for attention and MLP; TransformerLens holds two norms (``ln1``,
+    ``ln2``) with the same values, so the candidate holds untrained norms more often than the reference. One of them
+    x1.01 was near no reference tensor (every copy claimed by the exact ones) and went unnamed."""
+    reference, candidate = nn.Module(), nn.Module()
+    reference.ln_1, reference.ln_f = nn.LayerNorm(16), nn.LayerNorm(16)
+    candidate.ln1, candidate.ln2, candidate.ln_final = nn.LayerNorm(16), nn.LayerNorm(16), nn.LayerNorm(16)
+    with torch.no_grad():
+        candidate.ln1.weight.mul_(1.01)
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    (finding,) = ledger.differing
+    assert finding.candidate == "ln1.weight" and finding.reference in ("ln_1.weight", "ln_f.weight")
+    assert finding.detail.startswith("scaled by 1.01, rel_l2 0.01 (the reference holds these values 2 times")

@@ -114,7 +114,12 @@ def _named(report: Report, module: Row, hypothesis: Hypothesis, worst: float, af
         f"{hypothesis.said}, {where} agrees (own error {worst:.3g} -> {after:.3g}, isolated replay)"
     )
     named = report.first_divergence
-    if named is not None and named is not child and named is not around and REORDERED in named.note:
+    if named is child:  # already named for its order: the replay confirms it
+        confirmed = f"{hypothesis.said}, {where} agrees (own error {worst:.3g} -> {after:.3g}, isolated replay)"
+        report.culprit_reason = f"{report.culprit_reason}; {confirmed}"
+        child.note = f"{child.note}; {confirmed}" if child.note else confirmed
+        return report
+    if named is not None and named is not around and REORDERED in named.note:
         kept = [part for part in named.note.split("; ") if not part.startswith(REORDERED)]
         named.note, named.diverged, named.verdict, named.cause = "; ".join(kept), False, "pass", ""
     child.diverged, child.verdict, child.cause = True, "fail", "origin"

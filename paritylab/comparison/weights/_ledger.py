@@ -41,6 +41,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
     rows = _row_index(ours)
     open_theirs: list[Held] = []
     claimed: set[int] = set()
+    shared: set[int] = set()
     for item in theirs:
         same = [twin for twin in digests.get(item.print.digest, ()) if _numel(twin) == _numel(item)]
         same += [
@@ -50,6 +51,8 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             ledger.matched += 1
             free = [twin for twin in same if id(twin) not in claimed]  # each reference copy holds one candidate's
             claimed.add(id(free[0] if free else same[0]))
+            if not free or len(same) > 1:  # values the reference holds several times (untrained norms) or the
+                shared.update(id(twin) for twin in same)  # candidate more often: still a near one's twin
             layout = _layout(same[0], item) if len(same) == 1 else None
             if layout:
                 ledger.findings.append(_finding(same[0], item, "layout", layout))
@@ -58,7 +61,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             ledger.matched += 1
             continue
         open_theirs.append(item)
-    open_ours = [item for item in ours if id(item) not in claimed and item.print.sketch]
+    open_ours = [item for item in ours if (id(item) not in claimed or id(item) in shared) and item.print.sketch]
     near = _nearest(open_ours, open_theirs)
     fibers: Fibers | None = None  # indexed once, where a tensor needs it
     taken = {id(match.twin) for match in near.values()}
