@@ -198,3 +198,47 @@ def test_block_orders():
     assert _block_size([heads]) == 2
     assert _block_size([(1, 0, 2, 3)]) == 2
     assert _block_size([(2, 0, 1, 3)]) is None
+
+
+class _TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.a(x)))
+
+
+def test_a_wrong_block_in_a_weight_read_in_another_order_is_named_at_its_module(tmp_path):
+    """The first layer's rows and the second's columns in one other order (a layout the port's code reads so), and
+    a block of the second's rows overwritten by its conversion: its columns' order is proven by no fingerprint any
+    more, so its input looked wrong and the code before it was blamed; the input's features, matched across
+    positions, are the reference's in that order, so the second layer is named (its input agrees)."""
+    torch.manual_seed(0)
+    reference, candidate = _TwoLinear().eval(), _TwoLinear().eval()
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        candidate.a.weight.copy_(reference.a.weight[order])
+        candidate.a.bias.copy_(reference.a.bias[order])
+        candidate.o.weight.copy_(reference.o.weight[:, order])
+        candidate.o.bias.copy_(reference.o.bias)
+    x = torch.randn(4, 6, 16)
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=_call(x), echo=None)
+    assert clean.report.passed, clean.report.summary()
+    with torch.no_grad():
+        candidate.o.weight[:2] = candidate.o.weight[2:4].clone()
+    result = check(reference, candidate, tmp_path / "rows", reference_call=_call(x), echo=None, drilldown=False)
+    first = result.report.first_divergence
+    assert first is not None and first.path == "o", result.report.culprit_reason
+    assert "its input agrees with its features in another order" in first.note
+    assert first.input_verdict == "pass"
+
+
+def test_features_in_another_order_are_found_across_positions():
+    from paritylab.comparison.feature_order import features_in_order
+
+    value = torch.randn(5, 7, 12, generator=torch.Generator().manual_seed(0))
+    order = [3, 0, 1, 2, 11, 10, 9, 8, 4, 5, 6, 7]
+    assert features_in_order(value, value[..., order]) == tuple(order.index(j) for j in range(12))
+    assert features_in_order(value, value) is None  # the same order: nothing to say
+    assert features_in_order(value, torch.randn(5, 7, 12)) is None  # unrelated values

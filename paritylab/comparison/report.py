@@ -18,7 +18,7 @@ own code between its children is blamed on the layer. The first divergence is th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from paritylab.comparison.alignment import (
     shapes_fit,
     transposed,
 )
+from paritylab.comparison.feature_order import features_in_order
 from paritylab.comparison.judgement import (
     DIVERGENCE_MARGIN,
     JUMP,
@@ -93,6 +94,7 @@ def compare_traces(
     folded = set(alignment.folded_reference)
     lost = set(alignment.lost) if pinned else set()
     whole: list[tuple[Row, CallRecord, CallRecord]] = []  # rows whose calls are paired whole: other outputs count
+    reordering = {finding.candidate_module for finding in alignment.weights.differing}
     partner = {
         reference.call(pair.reference).index: candidate.call(pair.candidate).index
         for pair in alignment.pairs
@@ -112,7 +114,7 @@ def compare_traces(
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner)
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         rows.append(row)
@@ -126,7 +128,7 @@ def compare_traces(
     _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner, noise_floor, noise_multiple)
 
     def rejudge(call: CallRecord, other: CallRecord, pair: Pair) -> Row:
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner)
+        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         _mark_divergence(row, noise_multiple)
         return row
@@ -321,7 +323,10 @@ def _compare_pair(
     tolerances: Tolerances,
     memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
     partner: Mapping[int, int],
+    reordering: Collection[str] = (),
 ) -> Row:
+    """One pair's row. ``reordering``: candidate modules holding a weight the ledger found to differ, whose input
+    is compared in the order its features arrive in where they arrive in another (:func:`_input_in_order`)."""
     ref_slot = primary_slot(ref_call, pair.reference_index)
     cand_slot = primary_slot(cand_call, pair.candidate_index)
     if pair.reference_index is None and pair.candidate_index is None:
@@ -359,6 +364,8 @@ def _compare_pair(
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
             memo, reference, candidate, ref_in, cand_in, None, pair.candidate_input_part, row.tolerance
         )
+        if row.input_verdict == "fail" and pair.candidate_input_part is None and cand_call.path in reordering:
+            _input_in_order(row, reference, candidate, ref_in, cand_in)
         for other_ref, other_cand in _inputs_by_dataflow(ref_input_call, cand_input_call, ref_in, partner):
             _, verdict, metrics, _ = _judge_once(
                 memo, reference, candidate, other_ref, other_cand, None, None, row.tolerance
@@ -367,6 +374,23 @@ def _compare_pair(
             if verdict == "fail" and (row.input_verdict != "fail" or worse):
                 row.input_verdict, row.input_metrics = verdict, metrics  # the input that agrees least speaks
     return row
+
+
+def _input_in_order(row: Row, reference: Trace, candidate: Trace, ref_in: Node, cand_in: Node) -> None:
+    """A module whose weight differs, whose input differs as compared: where the input's features are the
+    reference's in another order (:func:`~paritylab.comparison.feature_order.features_in_order`) and agree so, its
+    input agrees (the module is where divergence starts, not the code before it) and the note says so."""
+    ref_value, cand_value = reference.tensor(ref_in), candidate.tensor(cand_in)
+    if ref_value is None or cand_value is None or row.tolerance is None:
+        return
+    order = features_in_order(ref_value, cand_value)
+    if order is None:
+        return
+    metrics = divergence(ref_value, cand_value[..., list(order)], row.tolerance)
+    if within(metrics):
+        row.input_verdict, row.input_metrics = "pass", metrics
+        said = "its input agrees with its features in another order (the order its weight's columns are read in)"
+        row.note = f"{row.note}; {said}" if row.note else said
 
 
 def _inputs_by_dataflow(
