@@ -88,7 +88,14 @@ def _by_blocks(item: Held, fibers: Fibers) -> _Blocks | None:
     _, view, readings = best
     candidates = [other for other in every if other.length == view.length and other.sums is not None]
     results = [_analysed(item, view, held_rows, candidates, index, fibers.counts) for held_rows in readings]
-    return min(results, key=lambda result: (len(result.unmatched), -len(result.findings)))
+    return min(  # a copy no neighbour places is the last resort: a reading that places it wins
+        results,
+        key=lambda result: (
+            len(result.unmatched),
+            sum(finding.certain for finding in result.findings),
+            -len(result.findings),
+        ),
+    )
 
 
 def _readings(view: View, index: Mapping[tuple[int, int], list[tuple[View, int]]]) -> list[_Held]:
