@@ -125,3 +125,19 @@ def test_every_console_script_help_is_enough_to_use_it(module, needed, capsys):
     text = capsys.readouterr().out
     for phrase in needed:
         assert phrase in text, (module, phrase)
+
+
+def test_a_wrong_weight_element_is_named_from_saved_traces_with_no_map(tmp_path, capsys):
+    """paritylab's own traces of the user's MLP and a hand-written port with one weight element x1.01, compared by
+    the console script with nothing else: the traces' fingerprints carry the weight ledger's evidence."""
+    from paritylab.run.parity import trace_model
+    from tests.test_weight_ledger import ported, reference_mlp
+
+    reference = reference_mlp()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    trace_model(reference, lambda m: m(x), tmp_path / "ref")
+    trace_model(ported(reference, "element"), lambda m: m(x), tmp_path / "port")
+    result = compare_here(capsys, tmp_path / "ref", tmp_path / "port")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "divergence starts at 2 " in result.stdout
+    assert "fc_mid.weight differs from the reference's 2.weight: 1 of 1024 elements, at [3, 5]" in result.stdout
