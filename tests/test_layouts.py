@@ -109,7 +109,7 @@ def test_heads_in_an_order_the_attention_does_not_read_are_named_at_their_projec
     first = result.report.first_divergence
     assert not result.report.passed and first is not None, result.report.summary()
     assert first.path == "attention.k", result.report.culprit_reason
-    assert first.note.count("attention's own code does not read its output in the order the candidate holds it") == 1
+    assert first.note.count("and attention's own code does not read them in that order") == 1
     assert "with its blocks of 8 features in the order attention.v's output holds them, attention agrees" in first.note
     attention = next(row for row in result.report.rows if row.path == "attention")
     assert attention.cause == "contains-origin"

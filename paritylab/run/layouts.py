@@ -110,7 +110,7 @@ def _named(report: Report, module: Row, hypothesis: Hypothesis, worst: float, af
     child, around = by_index[hypothesis.row.index], by_index[module.index]
     where = around.path or "<root>"
     finding = (
-        f"{where}'s own code does not read its output in the order the candidate holds it ({REORDERED_WHY}): "
+        f"{REORDERED}, and {where}'s own code does not read them in that order ({REORDERED_WHY}): "
         f"{hypothesis.said}, {where} agrees (own error {worst:.3g} -> {after:.3g}, isolated replay)"
     )
     named = report.first_divergence
