@@ -4,6 +4,7 @@ of a bias) no reference fiber matches, compared with the reference block it stan
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -199,7 +200,8 @@ def _copied(
     if not all(found):
         return None
     positions = view.hashes.tolist()
-    if any(positions.count(value) < 2 or counts.get((view.length, value), 0) <= len(where)
+    here = Counter(positions)
+    if any(here[value] < 2 or counts.get((view.length, value), 0) <= len(where)
            for value, where in zip(values, found, strict=True)):  # fmt: skip
         return None
     source, first = found[0][0]
