@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paritylab.comparison.drilldown import drill_down, drill_into, record_call
+from paritylab.comparison.drilldown import drill_down, drill_into
+from paritylab.comparison.operations import record_call
 
 DIM, HEADS = 32, 4
 
@@ -228,7 +229,8 @@ def test_a_difference_only_the_compiled_graph_makes_is_said_to_be_the_graph():
 def test_constants_are_compared_only_between_operations_that_match_step_for_step():
     """q and k each scaled by d**-0.25 on one side, q alone by d**-0.5 on the other: no constant of one stands
     for one of the other, so the line names no constants; a single ``mul`` against a ``mul`` does."""
-    from paritylab.comparison.drilldown import Op, Recording, Value, _describe
+    from paritylab.comparison.drilldown import _describe
+    from paritylab.comparison.operations import Op, Recording, Value
 
     recording = Recording("attn#0", values=[Value(0, "op 0", [2, 4], "float32", op=0)])
 

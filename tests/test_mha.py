@@ -13,7 +13,8 @@ from torch.nn import functional as F
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import paritylab
-from paritylab.comparison.drilldown import drill_down, record_call
+from paritylab.comparison.drilldown import drill_down
+from paritylab.comparison.operations import record_call
 from tests.pairs import planted
 
 WIDTH, HEADS, LAYERS, LENGTH = 32, 4, 2, 8

@@ -25,7 +25,7 @@ from paritylab.comparison.decisions import (
     forced_decisions,
     pair_decisions,
 )
-from paritylab.comparison.drilldown import record_call
+from paritylab.comparison.operations import record_call
 from paritylab.reports.render import headline
 from paritylab.run.parity import compare_and_replay, match_weight_grids, trace_model
 from tests.moe_port import MoeLayer

@@ -6,7 +6,7 @@ bfloat16 then disagree wherever two scores nearly tie (a token whose second and 
 less than bfloat16 resolves): one token takes another expert, and the module's output differs by far more than
 any rounding. That is a difference by design, not a bug; a wrong routing rule is one.
 
-This module reads two recordings of one module call (:mod:`paritylab.comparison.drilldown`), finds the
+This module reads two recordings of one module call (:mod:`paritylab.comparison.operations`), finds the
 *primary* decisions on each side (an operation taking a floating-point tensor and returning integer or boolean
 tensors; what is then computed from those, such as ``chosen == expert``, is derived and follows), pairs them in
 call order by kind and shape, and measures each choice that differs: its margin, the gap between the reference's
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from paritylab.comparison.drilldown import Op, Recording, split_key
+from paritylab.comparison.operations import Op, Recording, split_key
 
 SELECTIONS = frozenset({"topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "msort"})
 """Operations choosing positions by their scores (their integer outputs are indices)."""

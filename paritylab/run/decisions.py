@@ -1,7 +1,7 @@
 """A failing run judged again with the reference's discrete decisions fed to the candidate (teacher-forced routing).
 
 Where divergence starts in a module that takes discrete decisions (a mixture-of-experts router's top-k), both
-sides' calls of it are recorded operation by operation (:func:`~paritylab.comparison.drilldown.record_call`: the
+sides' calls of it are recorded operation by operation (:func:`~paritylab.comparison.operations.record_call`: the
 reference as it ran; the candidate as it ran freely and as the isolated replay runs it, fed the reference's values)
 and their decisions compared (:mod:`paritylab.comparison.decisions`). When every choice that differs is a near tie,
 a flip that rounding makes between two correct implementations, the whole check runs once more with those modules'
@@ -30,9 +30,9 @@ from paritylab.comparison.decisions import (
     forced_decisions,
     pair_decisions,
 )
-from paritylab.comparison.drilldown import Recording, record_call, split_key
 from paritylab.comparison.judgement import Report, Row
 from paritylab.comparison.lifted import LiftedReplay
+from paritylab.comparison.operations import Recording, record_call, split_key
 from paritylab.comparison.replay import teacher_forcing
 from paritylab.comparison.wiring import reordered_scores
 from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
