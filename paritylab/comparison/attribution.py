@@ -18,28 +18,20 @@ from paritylab.comparison.alignment import (
     Part,
     in_layout,
 )
+from paritylab.comparison.judgement import Report, Row, ancestors, innermost, producer_row, relative_error
 from paritylab.comparison.lifted import LIFTED_CHANGE, LiftedReplay
-from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
-from paritylab.comparison.report import (
+from paritylab.comparison.localise import (
     REORDERED,
     REORDERED_WHY,
-    Report,
-    Row,
-    ancestors,
-    charge_quiet_weights,
-    compare_traces,
-    innermost,
-    producer_row,
     received_calls,
-    relative_error,
     reordered_child,
     reordered_maker,
     reordered_rows,
     reordered_sibling,
-    slot_value,
     unmatched_feeding,
-    unmatched_maker,
 )
+from paritylab.comparison.metrics import Tolerances, min_floor, narrower, systematic_z
+from paritylab.comparison.report import charge_quiet_weights, compare_traces, slot_value, unmatched_maker
 from paritylab.comparison.verify import CHANGED_AFTER
 from paritylab.comparison.wiring import crossed, misordered_parts
 from paritylab.tracing.tracefile import CallRecord, Trace

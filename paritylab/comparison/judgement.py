@@ -438,3 +438,10 @@ def innermost(rows: list[Row], everything: list[Row]) -> list[Row]:
 def primary_input(call: CallRecord) -> Node | None:
     slot = first_tensor_slot(call.inputs, "inputs")
     return dict(iter_tensors(call.inputs, "inputs")).get(slot) if slot else None
+
+
+def output_at(call: CallRecord, slot: str | None) -> Node | None:
+    """The tensor node of ``call``'s output at ``slot`` (``outputs.0``); ``None`` when there is none."""
+    if slot is None:
+        return None
+    return dict(iter_tensors(call.outputs, "outputs")).get(slot)

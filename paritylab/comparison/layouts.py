@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from paritylab.comparison.alignment import Alignment, Pair, Part, primary_slot
 from paritylab.comparison.judgement import Report, Row, ancestors
-from paritylab.comparison.report import REORDERED
+from paritylab.comparison.localise import REORDERED
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.values import iter_tensors
 

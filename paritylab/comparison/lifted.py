@@ -43,8 +43,9 @@ import torch
 from torch import nn
 
 from paritylab.comparison.alignment import Alignment, Pair, in_layout
+from paritylab.comparison.judgement import DIVERGENCE_MARGIN, Row, relative_error
 from paritylab.comparison.metrics import Tolerance, Tolerances
-from paritylab.comparison.report import DIVERGENCE_MARGIN, Row, compare_traces, relative_error, slot_value
+from paritylab.comparison.report import compare_traces, slot_value
 from paritylab.comparison.twins import (
     Twins,
     cast_proof,

@@ -7,12 +7,8 @@ Verdict: ``torch.testing.assert_close`` semantics per dtype (see :mod:`paritylab
 relaxed to a multiple of the row's numerical noise floor.
 
 Localisation is scale-free, so an error hidden under ``atol`` in small activations is still found where
-it starts rather than where a later normalisation magnifies it. A row *diverges* when its relative L2
-error exceeds ``DIVERGENCE_MARGIN × rtol`` (or ``noise_multiple ×`` its noise floor). A diverging call
-*starts* divergence when its primary input has not diverged, or when its error exceeds ``JUMP`` times
-its input's (a second, independent bug downstream). An origin is a starting call with no starting
-call among its descendants: a decoder layer is not blamed for its MLP's bug, but a bug in the layer's
-own code between its children is blamed on the layer. The first divergence is the earliest origin.
+it starts rather than where a later normalisation magnifies it (:mod:`.localise`: which rows diverge, which
+start divergence, the origins).
 """
 
 from __future__ import annotations
@@ -37,18 +33,23 @@ from paritylab.comparison.alignment import (
 )
 from paritylab.comparison.feature_order import features_in_order
 from paritylab.comparison.judgement import (
-    DIVERGENCE_MARGIN,
-    JUMP,
     NO_VALUES,
     NOISE_MULTIPLE,
     Report,
     Row,
     Side,
-    ancestors,
     innermost,
+    output_at,
     primary_input,
-    producer_row,
     relative_error,
+)
+from paritylab.comparison.localise import (
+    REORDERED,
+    infer_inputs,
+    localise,
+    mark_divergence,
+    reordered_maker,
+    reordered_rows,
 )
 from paritylab.comparison.metrics import (
     Tolerance,
@@ -116,7 +117,7 @@ def compare_traces(
         other = candidate.call(pair.candidate)
         row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
-        _mark_divergence(row, noise_multiple)
+        mark_divergence(row, noise_multiple)
         rows.append(row)
         nothing_else = row.status == "missing" and row.note.startswith("no output tensor")  # ints, bools only
         if (
@@ -130,12 +131,12 @@ def compare_traces(
     def rejudge(call: CallRecord, other: CallRecord, pair: Pair) -> Row:
         row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
-        _mark_divergence(row, noise_multiple)
+        mark_divergence(row, noise_multiple)
         return row
 
     charged = verify_pairs(rows, reference, candidate, alignment, partner, rejudge)
-    _infer_inputs(rows, reference)
-    origins = _localise(rows, reference, reordered_rows(alignment, reference))
+    infer_inputs(rows, reference)
+    origins = localise(rows, reference, reordered_rows(alignment, reference))
     first, reason = None, ""
     if origins and any(row.verdict == "fail" for row in rows):
         first, reason = origins[0], "the earliest module whose output diverges while its input agrees"
@@ -225,10 +226,10 @@ def unmatched_maker(row: Row, rows: list[Row], reference: Trace, candidate: Trac
     Where the candidate's module makes its output in its own code, the whole of ``row`` is its counterpart."""
     if row.status != "compared" or row.reference.slot is None or row.candidate is None or row.candidate.slot is None:
         return None
-    node = _node_at(reference.calls[row.index], row.reference.slot)
+    node = output_at(reference.calls[row.index], row.reference.slot)
     made = node.get("from") if node is not None else None
     other_call = candidate.call(row.candidate.key)
-    other_node = _node_at(other_call, row.candidate.slot)
+    other_node = output_at(other_call, row.candidate.slot)
     theirs = other_node.get("from") if other_node is not None else None
     if not isinstance(made, int) or made == row.index or not isinstance(theirs, int) or theirs == other_call.index:
         return None
@@ -259,7 +260,7 @@ def _check_other_outputs(
         row = by_index.get(origin) if isinstance(origin, int) else None
         if row is None or row.status not in ("compared", "stats-only") or row.reference.slot is None:
             return None
-        judged = _node_at(reference.calls[row.index], row.reference.slot)
+        judged = output_at(reference.calls[row.index], row.reference.slot)
         same = judged is not None and (judged.get("ref") == node.get("ref") or "ref" not in node)
         return row.path if same else None
 
@@ -331,8 +332,8 @@ def _compare_pair(
     cand_slot = primary_slot(cand_call, pair.candidate_index)
     if pair.reference_index is None and pair.candidate_index is None:
         ref_slot, cand_slot = _dataflow_slots(ref_call, cand_call, ref_slot, cand_slot, partner)
-    ref_node = _node_at(ref_call, ref_slot)
-    cand_node = _node_at(cand_call, cand_slot)
+    ref_node = output_at(ref_call, ref_slot)
+    cand_node = output_at(cand_call, cand_slot)
     row = Row(
         index=ref_call.index,
         path=ref_call.path,
@@ -435,12 +436,12 @@ def _dataflow_slots(
     if not produced:
         return _fitting_slots(ref_call, cand_call, ref_slot, cand_slot)
     if ref_slot == cand_slot and named_slot(ref_slot):  # the same name on both sides: what it names is compared
-        ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+        ref_node, cand_node = output_at(ref_call, ref_slot), output_at(cand_call, cand_slot)
         if ref_node is not None and cand_node is not None and shapes_fit(ref_node["shape"], cand_node["shape"]):
             return ref_slot, cand_slot
 
     def counterpart(slot: str | None) -> str | None:
-        node = _node_at(ref_call, slot)
+        node = output_at(ref_call, slot)
         origin = node.get("from") if node is not None else None
         target = partner.get(origin) if isinstance(origin, int) else None
         return produced.get(target) if target is not None else None
@@ -448,7 +449,7 @@ def _dataflow_slots(
     found = counterpart(ref_slot)
     if found is not None:
         return ref_slot, found
-    ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+    ref_node, cand_node = output_at(ref_call, ref_slot), output_at(cand_call, cand_slot)
     if ref_node is not None and cand_node is not None and shapes_fit(ref_node["shape"], cand_node["shape"]):
         return ref_slot, cand_slot
     for slot, _ in iter_tensors(ref_call.outputs, "outputs"):
@@ -465,7 +466,7 @@ def _fitting_slots(
     candidate's primary output fits (the same shape, else one :func:`shapes_fit` allows): a port that returns only
     the pooled vector, made by its own code, of a model returning its hidden states first is compared with that
     vector, and the reference's other outputs are absent, not a failure."""
-    ref_node, cand_node = _node_at(ref_call, ref_slot), _node_at(cand_call, cand_slot)
+    ref_node, cand_node = output_at(ref_call, ref_slot), output_at(cand_call, cand_slot)
     if ref_node is None or cand_node is None or shapes_fit(ref_node["shape"], cand_node["shape"]):
         return ref_slot, cand_slot
     shape = cand_node["shape"]
@@ -550,251 +551,6 @@ def _apply_floor(row: Row, floor: float | None, multiple: float) -> None:
         row.note = f"within {multiple:g}x the noise floor"
 
 
-def _mark_divergence(row: Row, noise_multiple: float) -> None:
-    if row.tolerance is None:
-        row.diverged = row.verdict == "fail"
-        return
-    threshold = DIVERGENCE_MARGIN * max(row.tolerance.rtol, 1e-12)
-    if row.floor is not None:
-        threshold = max(threshold, noise_multiple * row.floor)
-    nonfinite = any(row.metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
-    out = relative_error(row.metrics)
-    row.diverged = row.status in ("shape-mismatch", "error") or nonfinite or (out is not None and out > threshold)
-    into = relative_error(row.input_metrics)
-    row.input_known = into is not None
-    in_nonfinite = any(row.input_metrics.get(key) for key in ("nan_mismatch", "inf_mismatch"))
-    row.input_diverged = in_nonfinite or (into is not None and into > threshold)
-    if row.input_diverged and out is not None and into is not None and not in_nonfinite and out > JUMP * into:
-        row.input_diverged = False  # the row adds far more than it received: a second origin
-
-
-def _infer_inputs(rows: list[Row], reference: Trace) -> None:
-    """Rows whose inputs could not be compared take their input's state from the row that produced it."""
-    by_index = {row.index: row for row in rows}
-    for row in rows:
-        if row.input_known or not row.diverged:
-            continue
-        producer = producer_row(by_index, reference, row)
-        if producer is not None and producer.status in _JUDGED:
-            row.input_known, row.input_diverged = True, producer.diverged
-
-
-_JUDGED = ("compared", "stats-only", "shape-mismatch", "error")
-
-
-def _localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set[int] = frozenset()) -> list[Row]:
-    """Mark each diverging row as origin / contains-origin / inherited; return the origins in order.
-
-    A start is a diverging row whose input agrees, or whose input is unknown and whose weights the weight ledger
-    found to differ from its counterpart's (:func:`_own_weights`). A diverging row whose input diverged, when that input
-    was produced by a module with no counterpart whose own input agrees, makes that unmatched module the
-    start: divergence begins inside the unmatched stretch. So does a module whose output agrees only with its
-    features in another order (``reordered``: its weight's rows are the reference's, permuted), when a module it
-    feeds is handed them in that order and diverges: a legitimate layout (rotary's interleaved pairs) is read in its
-    own order by the code after it, a wrong one (two halves swapped) is not. Rows whose input state is unknown are
-    starts only when nothing else explains the divergence. An origin is a start with no start among its descendants.
-    """
-    by_index = {row.index: row for row in rows}
-    starts = [row for row in rows if row.diverged and not row.input_diverged and (row.input_known or _own_weights(row))]
-    for row in rows:
-        if not (row.diverged and row.input_known and row.input_diverged):
-            continue
-        producer = producer_row(by_index, reference, row)
-        if producer is not None and producer.status == "unmatched":  # an elementwise step with no counterpart
-            upstream = producer_row(by_index, reference, producer)
-            if upstream is not None and upstream.index in reordered and not upstream.diverged:
-                producer = upstream  # it hands on what a reordered module made, in the order it made it
-        if producer is not None and producer.index in reordered and not producer.diverged:
-            producer.diverged, producer.verdict = True, "fail"
-            finding = f"{REORDERED}, and {row.path or '<root>'} is handed them in that order: {REORDERED_WHY}"
-            producer.note = f"{producer.note}; {finding}" if producer.note else finding
-            if producer not in starts:
-                starts.append(producer)
-            continue
-        if producer is None or producer.status != "unmatched":
-            continue
-        upstream = producer_row(by_index, reference, producer)
-        if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
-            producer.diverged = True
-            finding = "no counterpart; its consumers' inputs diverge while its own input agrees"
-            producer.note = f"{producer.note}; {finding}" if producer.note else finding
-            if producer not in starts:
-                starts.append(producer)
-    for row in rows:  # the first child given a diverging value by its parent's own code
-        if not (row.diverged and row.input_known and row.input_diverged):
-            continue
-        around = set(ancestors(row, by_index))
-        sibling = reordered_sibling(row, rows, reordered)
-        if sibling is not None and not any(s.index < sibling.index and s.index not in around for s in starts):
-            # its output, read in its own order by the parent's code, reached ``row``: the parent was no start
-            starts[:] = [s for s in starts if s.index not in around]
-            sibling.diverged, sibling.verdict = True, "fail"
-            parent = by_index[row.parent].path or "<root>"  # type: ignore[index]
-            finding = f"{REORDERED}, and {parent}'s own code hands {row.path} a value that diverges: {REORDERED_WHY}"
-            sibling.note = f"{sibling.note}; {finding}" if sibling.note else finding
-            starts.append(sibling)
-            break
-        if any(s.index < row.index for s in starts):
-            continue
-        source = unmatched_feeding(row, by_index, reference, received_calls(reference))
-        if source is not None:
-            source.diverged = True
-            finding = (
-                f"no counterpart; only {by_index[row.parent].path or '<root>'}'s own code uses its output, and the "  # type: ignore[index]
-                f"value it gives {row.path} diverges while everything paired before agrees (the error is in this "
-                "module or in that code)"
-            )
-            source.note = f"{source.note}; {finding}" if source.note else finding
-            starts.append(source)
-        break
-    if not starts:
-        starts = [row for row in rows if row.diverged and not row.input_known]
-    has_start_below = {index for row in starts for index in ancestors(row, by_index)}
-    origins = [reordered_child(row, rows, reordered) or row for row in starts if row.index not in has_start_below]
-    for row in rows:
-        if not row.diverged:
-            continue
-        if row in origins:
-            row.cause = "origin"
-        elif row in starts or not row.input_diverged:
-            row.cause = "contains-origin"
-        else:
-            row.cause = "inherited"
-    return sorted(origins, key=lambda row: row.index)
-
-
-def reordered_rows(alignment: Alignment, reference: Trace) -> set[int]:
-    """Reference call indices whose pair compares the candidate's output with its features reordered (the two
-    modules hold the same weight rows in another order)."""
-    return {
-        reference.call(pair.reference).index
-        for pair in alignment.pairs
-        if pair.candidate_part is not None and pair.candidate_part.whole
-    }
-
-
-def reordered_maker(row: Row, rows: list[Row], reference: Trace, reordered: set[int]) -> Row | None:
-    """The module inside ``row`` whose output ``row`` returns as its own (data flow, through calls that return their
-    input), when that module's output agrees only with its features reordered: ``row`` diverges because it hands
-    them on in that order (the last projection of an MLP with its rows' halves swapped). Marks it the origin."""
-    if not reordered or row.reference.slot is None:
-        return None
-    by_index = {other.index: other for other in rows}
-    node = _node_at(reference.calls[row.index], row.reference.slot)
-    made = node.get("from") if node is not None else None
-    seen: set[int] = set()
-    while isinstance(made, int) and made != row.index and made in by_index and made not in seen:
-        seen.add(made)
-        maker = by_index[made]
-        if made in reordered:
-            if maker.diverged and REORDERED not in maker.note:
-                return None  # its own values differ: it is judged on them
-            maker.diverged, maker.verdict, maker.cause, row.cause = True, "fail", "origin", "contains-origin"
-            finding = f"{REORDERED}, and {row.path or '<root>'} returns them in that order: {REORDERED_WHY}"
-            if REORDERED not in maker.note:
-                maker.note = f"{maker.note}; {finding}" if maker.note else finding
-            return maker
-        if maker.status != "identity":
-            return None
-        handed = primary_input(reference.calls[made])  # a call returning its input: what made that input
-        made = handed.get("from") if handed is not None else None
-    return None
-
-
-REORDERED = "its output agrees only with its features in another order"
-REORDERED_WHY = "its weight's rows are the reference's, reordered"
-
-
-def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
-    """The one module inside an origin whose output agrees only reordered, when every module inside it agrees: the
-    origin's own code reads that output in its own order (an attention splitting a query whose rows' halves were
-    swapped into heads, a layer adding an MLP's reordered output to its residual). Marks it the origin."""
-    if not reordered:
-        return None
-    inside = _inside_through_unpaired(row, rows)
-    turned = [other for other in inside if other.index in reordered and (not other.diverged or REORDERED in other.note)]
-    if len(turned) != 1 or any(_unsure(other) for other in inside if other is not turned[0]):
-        return None
-    child = turned[0]
-    child.diverged, child.verdict = True, "fail"
-    if REORDERED not in child.note:
-        finding = f"{REORDERED}, and {row.path or '<root>'}'s own code reads them in that order: {REORDERED_WHY}"
-        child.note = f"{child.note}; {finding}" if child.note else finding
-    return child
-
-
-def _inside_through_unpaired(row: Row, rows: list[Row]) -> list[Row]:
-    """The modules directly inside ``row``, and inside those of them that have no counterpart but hold paired
-    modules (a reference MLP container whose candidate computes its projections in the layer's own code, as
-    ``nn.TransformerEncoderLayer`` does): the container is not itself a module that differs, its children are
-    what was checked."""
-    children: dict[int, list[Row]] = {}
-    for other in rows:
-        if other.parent is not None:
-            children.setdefault(other.parent, []).append(other)
-    found: list[Row] = []
-    pending = list(children.get(row.index, []))
-    while pending:
-        other = pending.pop(0)
-        below = children.get(other.index, [])
-        if other.status == "unmatched" and not other.diverged and below:
-            pending.extend(below)
-        else:
-            found.append(other)
-    return found
-
-
-def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
-    """The one module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when every
-    other module before it there agrees: what the parent's code made of that output is what ``row`` was given. None
-    where two are reordered (q and k for rotary on interleaved pairs: a layout the code reads so) or another differs."""
-    if row.parent is None or not reordered:
-        return None
-    before = [other for other in rows if row.parent == other.parent and other.index < row.index]
-    turned = [other for other in before if other.index in reordered and (not other.diverged or REORDERED in other.note)]
-    others = [other for other in before if other is not (turned[0] if turned else None)]
-    if len(turned) != 1 or any(_unsure(other) for other in others):
-        return None  # several reordered (a layout the code reads so), another sibling differs or is unchecked
-    return turned[0]
-
-
-def _unsure(row: Row) -> bool:
-    """A row that differs, or that nothing checked (no counterpart): it may be what made a value diverge."""
-    return row.diverged or row.verdict == "fail" or row.status == "unmatched"
-
-
-def _own_weights(row: Row) -> bool:
-    """The row's pair is the weight ledger's: its module computes with weights that are not the reference's, which
-    explains its divergence whatever its input (a rotary table built from a wrong base, fed positions its
-    counterpart is not)."""
-    return row.source == "weights"
-
-
-def unmatched_feeding(row: Row, by_index: Mapping[int, Row], reference: Trace, received: set[int]) -> Row | None:
-    """Where a value computed in ``row``'s parent's own code (produced by no call) came from, when a module with
-    no counterpart ran in that parent just before ``row`` and no call received its output directly: only the
-    parent's code used it (OPT's offset position table, added to the token embeddings). Every sibling paired
-    before ``row`` must agree. The error is in that module or in the code that uses its output; the module is
-    the smaller answer. ``received``: :func:`received_calls` of ``reference``."""
-    if row.parent is None or producer_row(dict(by_index), reference, row) is not None:
-        return None
-    siblings = [other for other in by_index.values() if other.parent == row.parent and other.index < row.index]
-    if any(other.diverged and other.status != "unmatched" for other in siblings):
-        return None
-    unmatched = [other for other in siblings if other.status == "unmatched" and other.index not in received]
-    return max(unmatched, key=lambda other: other.index) if unmatched else None
-
-
-def received_calls(reference: Trace) -> set[int]:
-    """The calls whose outputs some call received as an input (data flow)."""
-    return {
-        node["from"]
-        for call in reference.calls
-        for _, node in iter_tensors(call.inputs, "inputs")
-        if isinstance(node.get("from"), int)
-    }
-
-
 def _first_nonfinite(trace: Trace) -> str | None:
     """The first call (in completion order) whose output holds NaN or Inf."""
     hits = []
@@ -819,7 +575,7 @@ def _side(key: str, slot: str | None, node: Node | None, cut: Part | None) -> Si
 
 def primary_output(trace: Trace, call: CallRecord) -> torch.Tensor | None:
     """The saved value of ``call``'s primary (first tensor) output, or ``None`` when it was not saved."""
-    node = _node_at(call, first_tensor_slot(call.outputs, "outputs"))
+    node = output_at(call, first_tensor_slot(call.outputs, "outputs"))
     return trace.tensor(node) if node is not None else None
 
 
@@ -830,15 +586,9 @@ def slot_value(trace: Trace, key: str, slot: str | None, part: Part | None = Non
         call = trace.call(key)
     except KeyError:
         return None
-    node = _node_at(call, slot)
+    node = output_at(call, slot)
     value = trace.tensor(node) if node is not None else None
     return _cut(value, part) if value is not None else None
-
-
-def _node_at(call: CallRecord, slot: str | None) -> Node | None:
-    if slot is None:
-        return None
-    return dict(iter_tensors(call.outputs, "outputs")).get(slot)
 
 
 def _floating(node: Node) -> bool:
@@ -871,7 +621,7 @@ def noise_floor(exact: Trace, low_precision: Trace) -> dict[str, float]:
         if other is None or slot is None:
             continue
         for where, node in iter_tensors(call.outputs, "outputs"):
-            low = _node_at(other, where)
+            low = output_at(other, where)
             if low is None:
                 continue
             a, b = exact.tensor(node), low_precision.tensor(low)

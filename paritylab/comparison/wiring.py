@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from paritylab.comparison.alignment import Pair, Part
 from paritylab.comparison.judgement import Report, Row, ancestors, primary_input, producer_row
-from paritylab.comparison.report import REORDERED, REORDERED_WHY, reordered_rows
+from paritylab.comparison.localise import REORDERED, REORDERED_WHY, reordered_rows
 from paritylab.tracing.tracefile import Trace
 
 

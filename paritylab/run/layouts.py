@@ -19,9 +19,9 @@ from torch import nn
 from paritylab.comparison.attribution import EXACT_LIMIT, REL_MULTIPLE
 from paritylab.comparison.judgement import Report, Row, ancestors, relative_error
 from paritylab.comparison.layouts import Hypothesis, layout_hypotheses, subtree, with_layout
+from paritylab.comparison.localise import REORDERED, REORDERED_WHY
 from paritylab.comparison.metrics import min_floor
 from paritylab.comparison.replay import own_errors
-from paritylab.comparison.report import REORDERED, REORDERED_WHY
 from paritylab.tracing.tracefile import Trace
 
 CLEARED = 100.0
