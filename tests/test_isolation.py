@@ -124,6 +124,11 @@ def test_recovering_a_killed_trace_never_writes_through_a_link_to_an_outside_fil
             "candidate=prot is not a candidate config (did you mean candidate=port?): choose one of "
             "bf16, compiled, eager, pipeline, port, sdpa, tp",
         ),
+        (  # Hydra's own groups (and its plugins'): the group named whole, its options as Hydra lists them
+            ["hydra/job_logging=nne"],
+            "hydra/job_logging=nne is not a hydra/job_logging config (did you mean hydra/job_logging=none?): choose "
+            "one of default, disabled, none, stdout",
+        ),
         (["-m", "compare.rtol=1e-3", "+compare.atoll=1,2"], "compare.atoll is not a paritylab setting (did you mean"),
         (["+compare.modules={'[': {rtol: 1e-3}}"], "no viable alternative at input"),  # Hydra cannot parse it
     ],

@@ -32,7 +32,9 @@ OPEN_SECTIONS = (
 """Sections whose keys are the user's: a builder's arguments, a port per model family, a distributed builder's
 options, a forward's keyword arguments, per-module tolerances."""
 _NOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
-_NOT_FOUND = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+_NOT_FOUND = re.compile(r"Could not find '([^']+)/([^'/]+)'")
+_AVAILABLE = re.compile(r"Available options in '[^']+':\n((?:\t[^\n]+\n?)+)")
+"""Hydra's own list of a group's options (it knows plugins' groups too: ``hydra/launcher``)."""
 
 
 def group_choices(search: Iterable[Path]) -> dict[str, list[str]]:
@@ -106,7 +108,8 @@ def explain(
     found = _NOT_FOUND.search(text)
     if found is not None:
         group, choice = found.groups()
-        choices = groups.get(group, [])
+        available = _AVAILABLE.search(text)
+        choices = available.group(1).split() if available else groups.get(group, [])
         close = difflib.get_close_matches(choice, choices, n=1)
         hint = f" (did you mean {group}={close[0]}?)" if close else ""
         listed = ", ".join(choices) or "none found"
