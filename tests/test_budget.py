@@ -19,7 +19,7 @@ from paritylab.run.budget import (
     model_sizes,
     plan,
 )
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.references import llama
 from paritylab.run.resident import model_bytes, tensor_slots
 from tests.test_runner import run_with

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paritylab.run.config import ConfigError, check_target
+from paritylab.run.config import check_target
+from paritylab.run.errors import ConfigError
 
 
 def test_a_typo_of_a_build_key_says_what_was_meant(capsys):

@@ -573,7 +573,8 @@ def test_the_command_line_names_a_pipeline_stage_s_hand_off_by_module_and_ranks(
 )
 def test_a_distributed_candidate_s_settings_are_checked_in_one_line(overrides: list[str], message: str) -> None:
     from paritylab.cli.app import compose
-    from paritylab.run.config import ConfigError, check_targets
+    from paritylab.run.config import check_targets
+    from paritylab.run.errors import ConfigError
 
     chosen = [] if any(item.startswith("candidate=") for item in overrides) else ["candidate=tp"]
     with pytest.raises(ConfigError) as raised:

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from paritylab.cli.app import compose
 from paritylab.run.candidates import build_candidate
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.generate import generate_parity
 from paritylab.run.inputs import build_inputs
 from paritylab.run.runner import EXIT_FAIL

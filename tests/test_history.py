@@ -13,7 +13,9 @@ from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
 from paritylab.sink.history import FINGERPRINT, assess, layer_errors, pair_fingerprint
-from paritylab.sink.tracking import MlflowTracker, metric_key
+from paritylab.sink.keys import metric_key
+from paritylab.sink.store import MlflowStore
+from paritylab.sink.tracking import MlflowTracker
 from tests.helpers import migrated_store
 
 
@@ -53,7 +55,7 @@ def test_baselines_never_cross_pairs_and_skip_killed_or_errored_runs(store):
     parity_run(client, experiment, "aaa", status="KILLED")
     parity_run(client, experiment, "aaa", verdict="error", status="FAILED")
     parity_run(client, experiment, "aaa", trend=True)
-    store = MlflowTracker(uri, "history").store()
+    store = MlflowStore(MlflowTracker(uri, "history"))
     assert store.find_baseline("aaa").run_id == fp32
     assert store.find_baseline("aaa", exclude=fp32) is None  # a run is never its own baseline
     assert store.find_baseline("ccc") is None
@@ -67,7 +69,7 @@ def test_promote_refuses_what_cannot_be_a_baseline_unless_forced(store):
         parity_run(client, experiment, "aaa", verdict="fail"): "verdict is 'fail'",
         parity_run(client, experiment, "aaa", status="RUNNING"): "did not finish (status RUNNING)",
     }
-    promote = MlflowTracker(uri, "history").store().promote
+    promote = MlflowStore(MlflowTracker(uri, "history")).promote
     for run_id, reason in refusals.items():
         with pytest.raises(ValueError, match=re.escape(reason)):
             promote(run_id)
@@ -165,7 +167,7 @@ def test_promote_gives_the_verdict_as_the_reason_for_a_failing_run_without_layer
     run = client.create_run(experiment, tags={"paritylab.pair": "llava/port", FINGERPRINT: "bbb",
                                               "paritylab.verdict": "fail"})  # fmt: skip
     client.set_terminated(run.info.run_id, "FINISHED")
-    promote = MlflowTracker(uri, "history").store().promote
+    promote = MlflowStore(MlflowTracker(uri, "history")).promote
     expected = "its verdict is 'fail', not 'pass', and it has no per-layer metrics to compare against"
     for force in (False, True):
         with pytest.raises(ValueError, match=re.escape(expected)):

@@ -25,7 +25,8 @@ from paritylab.cli.app import compose
 from paritylab.comparison.report import compare_traces
 from paritylab.reports.render import to_html
 from paritylab.run.runner import run
-from paritylab.sink.tracking import TrackingError, metric_key
+from paritylab.sink.keys import metric_key
+from paritylab.sink.tracking import TrackingError
 from paritylab.tracing.storage import StorageError, TensorReader
 from tests.helpers import migrated_store, parity_runs, traced
 from tests.test_runner import app, run_with

@@ -18,7 +18,8 @@ import torch
 
 from paritylab.cli.app import compose
 from paritylab.distributed import takes_options
-from paritylab.run.config import ConfigError, check_targets
+from paritylab.run.config import check_targets
+from paritylab.run.errors import ConfigError
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from paritylab.sink.history import FINGERPRINT
 from paritylab.sink.publish import RunRecord, end_status, parity_name, publish, short_module
+from paritylab.sink.store import MlflowStore
 from paritylab.sink.tracking import LOCAL_UI, Metric, MlflowTracker, run_link, runs_link
 from tests.helpers import migrated_store
 
@@ -62,7 +63,7 @@ def test_a_judged_run_ends_with_the_status_its_verdict_maps_to(uri, tmp_path, ve
 
 
 def test_baselines_and_promotion_read_the_verdict_not_the_status(uri, tmp_path):
-    store = MlflowTracker(uri, "baselines").store()
+    store = MlflowStore(MlflowTracker(uri, "baselines"))
     client = MlflowClient(uri)
     experiment = store.experiment_id
 

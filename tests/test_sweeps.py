@@ -218,6 +218,7 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     import socket
 
     from paritylab.sink.processes import process_start
+    from paritylab.sink.store import MlflowStore
     from paritylab.sink.tracking import MlflowTracker
 
     store = migrated_store(tmp_path / "stale.db")
@@ -232,7 +233,7 @@ def test_runs_left_running_by_dead_processes_are_closed(tmp_path):
     # the pid of a dead run now held by another process (this one, started at another time): gone too
     reused = client.create_run(experiment, tags={**me, "paritylab.process_start": "12"})
     trend = client.create_run(experiment, tags={"paritylab.trend": "true"})
-    closed = MlflowTracker(store, "stale").store().close_stale_runs()
+    closed = MlflowStore(MlflowTracker(store, "stale")).close_stale_runs()
     assert sorted(closed) == sorted([orphan.info.run_id, reused.info.run_id])
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
     assert client.get_run(reused.info.run_id).info.status == "KILLED"

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from paritylab.cli.app import compose
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.inputs import prompt_inputs
 from paritylab.run.runner import run
 from paritylab.run.workload import infer_call, synthetic_inputs

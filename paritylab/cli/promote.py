@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from paritylab.sink.store import MlflowStore
 from paritylab.sink.tracking import MlflowTracker, TrackingError
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="promote a run that is not a clean pass anyway")
     args = parser.parse_args(argv)
     try:
-        superseded = MlflowTracker(args.tracking_uri, "paritylab").store().promote(args.run_id, args.force)
+        superseded = MlflowStore(MlflowTracker(args.tracking_uri, "paritylab")).promote(args.run_id, args.force)
     except (TrackingError, ValueError) as error:
         print(f"paritylab-promote: {error}", file=sys.stderr)
         return 2

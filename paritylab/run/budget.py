@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.resident import tensor_slots
 
 SHARE = 0.85

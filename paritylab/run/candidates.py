@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from paritylab.comparison.alignment import Rule, load_rules
-from paritylab.run.config import CONF_DIR, ConfigError, resolve_target
+from paritylab.run.config import CONF_DIR, resolve_target
+from paritylab.run.errors import ConfigError
 from paritylab.run.resident import converted_copy
 from paritylab.run.weights import WeightParity, load_weight_map, weight_parity
 

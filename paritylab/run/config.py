@@ -24,12 +24,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from paritylab.run.errors import ConfigError
+
 CONF_DIR = Path(str(importlib.resources.files("paritylab.conf")))
 """paritylab's shipped configuration (the checkout's top-level ``conf/``, installed as ``paritylab.conf``)."""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is one line naming the key and the fix."""
 
 
 class CandidateKind(enum.StrEnum):
@@ -488,7 +486,7 @@ def check_ranks(cfg: DictConfig) -> None:
     if cfg.get("memory_check", True):  # the ranks' processes and cores, before anything is built
         import torch
 
-        from paritylab.run.budget import cores, plan_ranks
+        from paritylab.run.budget import cores, plan_ranks  # here: importing torch is not the config's cost
         from paritylab.run.resident import available_memory
 
         plan_ranks(int(world_size), cores(), available_memory(torch.device("cpu")))

@@ -35,8 +35,7 @@ from paritylab.comparison.lifted import LiftedReplay
 from paritylab.comparison.operations import Recording, record_call, split_key
 from paritylab.comparison.replay import teacher_forcing
 from paritylab.comparison.wiring import reordered_scores
-from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side
-from paritylab.run.parity import private_call
+from paritylab.run.lifting import lifted_candidate_side, lifted_reference_side, private_call
 from paritylab.tracing.tracefile import Trace
 
 Call = Callable[[nn.Module], Any]

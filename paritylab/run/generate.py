@@ -26,7 +26,7 @@ from paritylab.comparison.alignment import Rule, parse_rules
 from paritylab.comparison.metrics import Tolerances
 from paritylab.comparison.report import Report, compare_traces
 from paritylab.reports.plots import LAYER, heatmap, layer_label
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.workload import CallSpec
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, Tracer

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.run.workload import synthetic_inputs
 
 SAMPLE_IMAGE = Path(__file__).resolve().parents[1] / "assets" / "sample.png"

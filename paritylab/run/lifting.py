@@ -415,6 +415,12 @@ def mapped_call(call: Call, convert: Callable[[Any], Any]) -> Call:
     return run
 
 
+def private_call(call: Call) -> Call:
+    """``call``, with every tensor it hands the model's forward copied first: a forward that changes its input in
+    place (a preprocessing step) changes the copy, never the caller's tensor, however often the model runs again."""
+    return mapped_call(call, lambda value: map_tensors(value, lambda tensor, _: tensor.detach().clone()))
+
+
 def _cast(value: Any, dtype: torch.dtype, rounded_to: torch.dtype | None) -> Any:
     """Every floating-point tensor in ``value`` in ``dtype`` (first rounded to ``rounded_to``), every container kept
     the type it was (a ``BaseModelOutput`` passed as ``encoder_outputs`` is still one)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 
 OPEN_SECTIONS = (
     "model.build",

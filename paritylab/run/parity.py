@@ -29,13 +29,13 @@ from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
 from paritylab.run.layouts import judge_layouts
-from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift, mapped_call
+from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift, private_call
 from paritylab.run.resident import available_memory, converted_bytes, converted_copy, model_bytes
 from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import cast_in_place, widened_in_place
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
-from paritylab.tracing.values import iter_tensors, map_tensors
+from paritylab.tracing.values import iter_tensors
 
 Call = Callable[[nn.Module], Any]
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -565,12 +565,6 @@ def check(
 
         echo(to_console(report))
     return ParityResult(report, free_run, reference_trace, candidate_trace, floors, directory)
-
-
-def private_call(call: Call) -> Call:
-    """``call``, with every tensor it hands the model's forward copied first: a forward that changes its input in
-    place (a preprocessing step) changes the copy, never the caller's tensor, however often the model runs again."""
-    return mapped_call(call, lambda value: map_tensors(value, lambda tensor, _: tensor.detach().clone()))
 
 
 def drill_into_origin(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 
 
 def llava(

@@ -39,7 +39,8 @@ from paritylab.run.budget import (
     plan,
 )
 from paritylab.run.candidates import Candidate, build_candidate, instantiate, resolve_path
-from paritylab.run.config import ConfigError, check_targets, check_writable, one_line, unmatched_patterns
+from paritylab.run.config import check_targets, check_writable, one_line, unmatched_patterns
+from paritylab.run.errors import ConfigError
 from paritylab.run.identity import run_name, run_tags
 from paritylab.run.import_time import counting_imports
 from paritylab.run.inputs import build_inputs

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paritylab.run.config import ConfigError
+from paritylab.run.errors import ConfigError
 from paritylab.tracing.values import Node, pick, select
 
 ALIASES: dict[str, tuple[str, ...]] = {

@@ -16,6 +16,7 @@ from typing import Any
 
 from paritylab.sink.history import Regression, baseline_alignment
 from paritylab.sink.publish import RunRecord, publish
+from paritylab.sink.store import MlflowStore
 from paritylab.sink.tracking import MlflowTracker, TrackingError
 
 
@@ -81,7 +82,7 @@ class InlineConnection(Connection):
         self.tracker.start(record.run_name, record.tags, opening.parent_run_id)
         self.tracker.log_params(record.params)
         if opening.close_stale:  # not this run: opened in a child, it outlives a run killed meanwhile by a moment
-            stale = self.tracker.store().close_stale_runs(exclude=self.tracker.run_id)
+            stale = MlflowStore(self.tracker).close_stale_runs(exclude=self.tracker.run_id)
             if stale:
                 echo(f"paritylab: marked KILLED {len(stale)} runs left RUNNING by processes that are gone")
 
@@ -92,7 +93,7 @@ class InlineConnection(Connection):
         return self.tracker.link()
 
     def baseline_alignment(self, fingerprint: str, directory: Path) -> tuple[str, Path] | None:
-        return baseline_alignment(self.tracker.store(), fingerprint, self.tracker.run_id, directory)
+        return baseline_alignment(MlflowStore(self.tracker), fingerprint, self.tracker.run_id, directory)
 
     def publish(self, directory: Path) -> Regression | None:
         return publish(self.tracker, RunRecord.load(directory), directory)

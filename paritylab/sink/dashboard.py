@@ -15,7 +15,8 @@ from pathlib import Path
 from paritylab.comparison.report import Report
 from paritylab.reports.plots import LAYER, layer_rows, own_error, relative_limit
 from paritylab.reports.render import to_markdown
-from paritylab.sink.tracking import Metric, log10_for_charts, metric_key
+from paritylab.sink.keys import metric_key
+from paritylab.sink.tracking import Metric, log10_for_charts
 from paritylab.tracing.files import write_json
 from paritylab.tracing.tracefile import display_path
 

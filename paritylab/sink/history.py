@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from paritylab.sink.keys import metric_key
+
 if TYPE_CHECKING:
     from paritylab.sink.store import Store, StoredRun
 
@@ -82,7 +84,6 @@ def layer_errors(metrics: Mapping[str, float]) -> dict[str, float]:
     """Layer key -> relative error, from a run's ``layer/<path>/rel_l2`` metrics. Keys are taken as MLflow
     stores them (module names with characters MLflow rejects are renamed), so a run's own metrics and a
     baseline read back from MLflow line up whatever the module names are."""
-    from paritylab.sink.tracking import metric_key
 
     found: dict[str, float] = {}
     for raw, value in metrics.items():

@@ -20,7 +20,7 @@ from typing import Any
 from paritylab.reports.plots import trend_heatmap
 from paritylab.sink.history import FINGERPRINT, TREND, Regression, assess, layer_errors
 from paritylab.sink.interrupts import signals_ignored
-from paritylab.sink.store import RUN_UID, TREND_STEPS, Store
+from paritylab.sink.store import RUN_UID, TREND_STEPS, MlflowStore, Store, store_of
 from paritylab.sink.tracking import (
     NOTE,
     Metric,
@@ -86,7 +86,7 @@ def publish(tracker: Tracker, record: RunRecord, directory: Path) -> Regression 
     the pair's baseline and, for scheduled runs, the trend point (MLflow stores only); then metrics (batched),
     the comparison table, final tags, every file of the run, and the final status. Returns the regression."""
     regression = None
-    store = tracker.store()
+    store = store_of(tracker)
     if store is not None and tracker.run_id is not None and FINGERPRINT in record.tags and record.metrics:
         regression = _history(store, tracker.run_id, record, directory)
         verdict = record.tags.get("paritylab.verdict", "")
@@ -453,7 +453,7 @@ def upload(directory: Path, uri: str | None = None, experiment: str | None = Non
     record = RunRecord.load(directory)
     tracker = MlflowTracker(uri or record.uri, experiment or record.experiment)
     uid = record.tags.get(RUN_UID)
-    existing = tracker.store().find_run(uid) if uid else None
+    existing = MlflowStore(tracker).find_run(uid) if uid else None
     if existing is not None and existing.tags.get(PUBLISHED) == "true":
         return existing.run_id, True
     tags = {**record.tags, "paritylab.uploaded_from": str(directory.resolve())}

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from paritylab.sink.history import BASELINE, FINGERPRINT, TREND, promotable, usable_baseline
 from paritylab.sink.processes import owner_gone
-from paritylab.sink.tracking import Metric, MlflowTracker
+from paritylab.sink.tracking import Metric, MlflowTracker, Tracker
 
 RUN_UID = "paritylab.run_uid"
 """A run directory's identity in the store: an upload finds the run a live run already made (and finishes it)."""
@@ -84,6 +84,12 @@ class Store(Protocol):
         """Mark KILLED the runs nested under ``parent_run_id`` still RUNNING (a sweep's jobs its interruption
         ended with their processes); returns their ids."""
         ...
+
+
+def store_of(tracker: Tracker) -> Store | None:
+    """The store behind ``tracker`` (baselines, trend runs, stale runs); ``None``: a tracker that logs nowhere
+    (``tracking.enabled=false``), so no history."""
+    return MlflowStore(tracker) if isinstance(tracker, MlflowTracker) else None
 
 
 class MlflowStore:

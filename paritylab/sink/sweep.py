@@ -54,11 +54,12 @@ def start_sweep(config: DictConfig) -> dict[str, Any]:
 
 
 def _open_parent(tracking: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    from paritylab.sink.store import MlflowStore
     from paritylab.sink.tracking import MlflowTracker, TrackingError
 
     try:
         tracker = MlflowTracker(tracking.uri, tracking.experiment, tracking.timeout, tracking.retries)
-        store = tracker.store()
+        store = MlflowStore(tracker)
         killed = store.close_stale_runs()
         number = store.next_sweep_number()
         tags = {
@@ -183,11 +184,12 @@ def _interrupted_job(job_dir: Path) -> dict[str, Any]:
 def _close_children(state: dict[str, Any]) -> list[str]:
     """Mark KILLED every run of this sweep (nested under its parent) still RUNNING: the jobs it started and the
     interruption ended; returns their ids."""
+    from paritylab.sink.store import MlflowStore
     from paritylab.sink.tracking import MlflowTracker, TrackingError
 
     try:
         tracker = MlflowTracker(state.get("uri"), _experiment_of(state))
-        return tracker.store().close_running_children(str(state["parent_run_id"]))
+        return MlflowStore(tracker).close_running_children(str(state["parent_run_id"]))
     except TrackingError as error:
         print(f"paritylab: could not close the sweep's interrupted jobs: {error}")
         return []

@@ -4,25 +4,20 @@ bounded HTTP timeouts, and metric keys that MLflow accepts whatever the module n
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from paritylab.sink.store import Store
+from paritylab.sink.keys import metric_key
 
 DEFAULT_URI = "sqlite:///mlflow.db"
-MAX_KEY = 250
 MAX_PARAM = 6000
 MAX_TAG = 8000
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.\- /:]")
 
 
 class TrackingError(RuntimeError):
@@ -38,30 +33,6 @@ def log10_for_charts(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return max(LOG_FLOOR, math.log10(value)) if value > 0 else LOG_FLOOR
-
-
-def metric_key(text: str) -> str:
-    """A valid MLflow key for ``text`` (module names come from user code).
-
-    Characters MLflow rejects become ``_`` and the component is suffixed with a hash of the original (so the
-    mapping stays injective); empty components are dropped and ``.``/``..`` replaced (MLflow keys must be
-    normalised paths); a key over 250 characters is cut and suffixed with a hash of the original so it stays
-    unique. Keys already valid are returned unchanged.
-    """
-    parts = [_safe_part(part) for part in text.split("/") if part]
-    key = "/".join(parts) or "_"
-    if len(key) > MAX_KEY:
-        key = f"{key[: MAX_KEY - 9].rstrip('/')}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
-    return key
-
-
-def _safe_part(part: str) -> str:
-    """One path component as MLflow accepts it. A component that had to change is suffixed with a hash of the
-    original, so two names that differ only in rejected characters (``a<b``, ``a>b``) stay two keys."""
-    safe = "_" if part in (".", "..") else _UNSAFE.sub("_", part)
-    if safe == part:
-        return part
-    return f"{safe}-{hashlib.sha1(part.encode()).hexdigest()[:6]}"
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -116,10 +87,6 @@ class Tracker:
         """The experiment's runs list, relative to MLflow's UI (``#/experiments/...``); empty: none."""
         return ""
 
-    def store(self) -> Store | None:
-        """The store behind this tracker (baselines, trend runs, stale runs); ``None``: no store, no history."""
-        return None
-
     def newest_runs(self, limit: int) -> list[dict[str, str]]:
         """The tags (``mlflow.runName`` and the status as ``status`` among them) of the experiment's newest finished
         runs that are not a sweep's jobs, newest first, at most ``limit``."""
@@ -147,11 +114,6 @@ class MlflowTracker(Tracker):
         self.run_id: str | None = None
         self._artifact_roots: dict[str, Path | None] = {}
         """Per run, its local artifact directory (``None``: not on this machine's file system)."""
-
-    def store(self) -> Store:
-        from paritylab.sink.store import MlflowStore
-
-        return MlflowStore(self)
 
     def call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         """``function(*args)``, with MLflow's failures as one-line :class:`TrackingError`."""
