@@ -242,3 +242,81 @@ def test_features_in_another_order_are_found_across_positions():
     assert features_in_order(value, value[..., order]) == tuple(order.index(j) for j in range(12))
     assert features_in_order(value, value) is None  # the same order: nothing to say
     assert features_in_order(value, torch.randn(5, 7, 12)) is None  # unrelated values
+
+
+class _Conv1D(nn.Module):
+    """A projection holding its weight as ``[in, out]`` (GPT-2's ``Conv1D``): the reference's ``Linear`` transposed,
+    a layout its own code reads so."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().T.clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class _SquareOut(nn.Module):
+    def __init__(self, shuffled: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(16, 32), nn.Linear(32, 32)
+        self.shuffled = shuffled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.a(x))
+        return self.o(hidden if self.shuffled is None else hidden[..., self.shuffled])
+
+
+def test_a_transposed_weight_read_in_its_own_order_is_named_at_its_module(tmp_path):
+    """A square weight whose columns a port holds in its own order (the order the layer before makes its features
+    in), transposed by its conversion: the same values, so every fingerprint but the order still matches. Its
+    columns, read turned back, give the order its input is in, so the module is named (its input agrees), not the
+    code before it; the clean port passes."""
+    torch.manual_seed(0)
+    reference, candidate = _SquareOut().eval(), _SquareOut().eval()
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        candidate.a.weight.copy_(reference.a.weight[order])
+        candidate.a.bias.copy_(reference.a.bias[order])
+        candidate.o.weight.copy_(reference.o.weight[:, order])
+        candidate.o.bias.copy_(reference.o.bias)
+    x = torch.randn(4, 6, 16)
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=_call(x), echo=None)
+    assert clean.report.passed, clean.report.summary()
+    with torch.no_grad():
+        candidate.o.weight.copy_(candidate.o.weight.T.clone())
+    result = check(reference, candidate, tmp_path / "turned", reference_call=_call(x), echo=None, drilldown=False)
+    first = result.report.first_divergence
+    assert first is not None and first.path == "o", result.report.culprit_reason
+    assert first.input_verdict == "pass" and first.cause == "origin"
+    assert any(
+        finding.candidate == "o.weight" and "transposed, with its lines in another order" in finding.detail
+        for finding in result.report.alignment.weights.findings
+    )
+    with torch.no_grad():  # and scaled on top: a near copy, described in the reference's layout and order
+        candidate.o.weight.mul_(1.01)
+    result = check(reference, candidate, tmp_path / "scaled", reference_call=_call(x), echo=None, drilldown=False)
+    first = result.report.first_divergence
+    assert first is not None and first.path == "o" and first.input_verdict == "pass", result.report.culprit_reason
+    (finding,) = [finding for finding in result.report.alignment.weights.differing if finding.candidate == "o.weight"]
+    assert finding.detail.startswith("transposed, its columns in another order") and "scaled by 1.01" in finding.detail
+
+
+def test_code_that_reorders_features_before_a_transposed_layout_is_named_not_the_layer_after(tmp_path):
+    """The other way round: a port holding the next layer's weight transposed (a layout its code reads so) and its
+    code handing that layer the features in another order. The weight, read turned back, is in the reference's
+    order, so the layer's input differs and the code before it is named, not the layer."""
+    torch.manual_seed(0)
+    reference = _SquareOut().eval()
+    shuffled = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    candidate = _SquareOut(shuffled).eval()
+    with torch.no_grad():
+        candidate.a.load_state_dict(reference.a.state_dict())
+    candidate.o = _Conv1D(reference.o)
+    x = torch.randn(4, 6, 16)
+    result = check(reference, candidate, tmp_path, reference_call=_call(x), echo=None, drilldown=False)
+    first = result.report.first_divergence
+    assert first is not None and first.path == "", result.report.culprit_reason
+    o = next(row for row in result.report.rows if row.path == "o")
+    assert o.input_verdict == "fail" and o.cause == "inherited"

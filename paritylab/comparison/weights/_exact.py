@@ -55,12 +55,21 @@ def _layout(ours: Held, theirs: Held) -> str | None:
         return None
     if a.shape == b.shape[::-1] and a.row_bytes == b.col_bytes and a.col_bytes == b.row_bytes:
         return "the same values, transposed"
+    if a.shape == b.shape[::-1] and _same_lines(a.row_bytes, b.col_bytes) and _same_lines(a.col_bytes, b.row_bytes):
+        return "the same values, transposed, with its lines in another order"
     if a.shape == b.shape and a.col_bytes == b.col_bytes:
         ref_rows = numpy.frombuffer(a.row_bytes, dtype="<u8")
         cand_rows = numpy.frombuffer(b.row_bytes, dtype="<u8")
         if sorted(ref_rows.tolist()) == sorted(cand_rows.tolist()):
             return "the same rows in another order: " + _row_runs(ref_rows, cand_rows)
     return None
+
+
+def _same_lines(ours: bytes, theirs: bytes) -> bool:
+    """Two axes' line hashes hold the same lines, in any order."""
+    return sorted(numpy.frombuffer(ours, dtype="<u8").tolist()) == sorted(
+        numpy.frombuffer(theirs, dtype="<u8").tolist()
+    )
 
 
 def _row_runs(ref_rows: numpy.ndarray, cand_rows: numpy.ndarray) -> str:

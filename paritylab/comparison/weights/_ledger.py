@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from paritylab.comparison.weights._blocks import Fibers, _by_blocks, _by_part, _by_tiles
 from paritylab.comparison.weights._describe import _describe, _describe_reordered, _values_differ
 from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
-from paritylab.comparison.weights._near import _nearest, _nearest_shifted
+from paritylab.comparison.weights._near import _nearest, _nearest_shifted, _transposed
 from paritylab.comparison.weights._records import (
     MAX_LISTED,
     Held,
@@ -113,8 +113,11 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
         copies = sorted({other.module for other in ours if other.print.digest == twin.print.digest})
         ledger.near_modules.setdefault(item.module, set()).update(copies or {twin.module})
         rel_l2: float | None
-        if match.reordered is not None:
-            detail, rel_l2, order = _describe_reordered(twin, item, match.reordered)
+        if match.reordered is not None:  # axis and order in the reference's layout (a transposed copy turned back)
+            turned = dataclasses.replace(item, print=_transposed(item.print)) if match.flipped else item
+            detail, rel_l2, order = _describe_reordered(twin, turned, match.reordered)
+            if match.flipped:
+                detail = f"transposed, {detail}"
             ledger.orders[(twin.module, item.module)] = (match.reordered, order)
         else:
             detail, rel_l2 = _describe(twin, item, match.flipped)

@@ -39,12 +39,13 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
     for item in ours:
         by_shape.setdefault(item.print.shape, []).append(item)
     proposals: list[tuple[float, int, Near, Held]] = []
-    prepared: dict[int, _Lines] = {}
+    prepared: dict[int, _Lines] = {}  # by id, or -1 - id for a candidate tensor's transpose
 
-    def lines(item: Held) -> _Lines:
-        if id(item) not in prepared:
-            prepared[id(item)] = _Lines.of(item.print)
-        return prepared[id(item)]
+    def lines(item: Held, flipped: bool = False) -> _Lines:
+        key = -1 - id(item) if flipped else id(item)
+        if key not in prepared:
+            prepared[key] = _Lines.of(_transposed(item.print) if flipped else item.print)
+        return prepared[key]
 
     for order, item in enumerate(theirs):
         if not item.print.sketch:
@@ -56,22 +57,15 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
             in_place = _mostly_in_place(twin.print, item.print)
             if in_place:  # most rows and columns as they were: a defect in a few
                 distance = min(distance, NEAR * _differing_share(twin.print, item.print))
-            by_sums, apart = _reordered_distance(lines(twin), lines(item))
-            moved = _moved_lines(lines(twin), lines(item))
-            if moved is not None:  # hashes prove one axis reordered, explaining more than comparing in place
-                axis, share = moved
-                scored.append(Near(twin, min(apart if by_sums == axis else math.inf, NEAR * share), reordered=axis))
-            elif not in_place and apart < UNIQUE * distance:  # no hash says where; the sums say reordered, clearly
-                scored.append(Near(twin, apart, reordered=by_sums))
-            else:
-                scored.append(Near(twin, distance))
+            scored.append(_placed(twin, distance, in_place, lines(twin), lines(item), flipped=False))
         if len(shape) == 2:
             turned = _transposed(item.print)
             for twin in by_shape.get(shape[::-1], ()):
                 distance = _distance(twin.print, item.print, True)
-                if _mostly_in_place(twin.print, turned):  # a transposed layout (an unembedding against embeddings)
+                in_place = _mostly_in_place(twin.print, turned)
+                if in_place:  # a transposed layout (an unembedding against embeddings)
                     distance = min(distance, NEAR * _differing_share(twin.print, turned))
-                scored.append(Near(twin, distance, flipped=True))
+                scored.append(_placed(twin, distance, in_place, lines(twin), lines(item, flipped=True), flipped=True))
         scored = [entry for entry in scored if math.isfinite(entry.distance)]
         if not scored:
             continue
@@ -89,6 +83,22 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
             taken.add(id(near.twin))
             found[id(item)] = near
     return found
+
+
+def _placed(twin: Held, distance: float, in_place: bool, ours: _Lines, theirs: _Lines, flipped: bool) -> Near:
+    """How a candidate tensor (``theirs``: its lines, transposed where ``flipped``) lies against ``twin`` (``ours``),
+    at ``distance`` compared in place: with one axis in another order where hashes prove it and that explains more, or
+    where no hash says where but the sums say so clearly (a port's own head order, then a defect; a transposed
+    conversion of such a weight: an output projection whose heads x-transformers takes in its own order)."""
+    by_sums, apart = _reordered_distance(ours, theirs)
+    moved = _moved_lines(ours, theirs)
+    if moved is not None:  # hashes prove one axis reordered, explaining more than comparing in place
+        axis, share = moved
+        moved_distance = min(apart if by_sums == axis else math.inf, NEAR * share)
+        return Near(twin, moved_distance, flipped=flipped, reordered=axis)
+    if not in_place and apart < UNIQUE * distance:  # no hash says where; the sums say reordered, clearly
+        return Near(twin, apart, flipped=flipped, reordered=by_sums)
+    return Near(twin, distance, flipped=flipped)
 
 
 @dataclasses.dataclass(frozen=True)
