@@ -91,12 +91,20 @@ def localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set[
         if producer is None or producer.status != "unmatched":
             continue
         upstream = producer_row(by_index, reference, producer)
-        if upstream is None or (upstream.status in _JUDGED and not upstream.diverged):
+        if upstream is None:  # made by code: it agrees only where nothing that ran before it diverged
+            around = set(ancestors(producer, by_index))
+            agrees = not any(
+                other.diverged and other.status in _JUDGED and other.index not in around
+                for other in rows
+                if other.index < producer.index
+            )
+        else:
+            agrees = upstream.status in _JUDGED and not upstream.diverged
+        if agrees and producer not in starts:
             producer.diverged = True
             finding = "no counterpart; its consumers' inputs diverge while its own input agrees"
             producer.note = f"{producer.note}; {finding}" if producer.note else finding
-            if producer not in starts:
-                starts.append(producer)
+            starts.append(producer)
     for row in rows:  # the first child given a diverging value by its parent's own code
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
