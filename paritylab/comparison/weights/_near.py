@@ -16,6 +16,15 @@ from paritylab.comparison.weights._records import (
 )
 from paritylab.tracing.structure import ParamPrint
 
+_GENERIC = frozenset({"weight", "bias"})
+"""Parameter names every layer of a kind holds: two tensors so named are namesakes only in modules of one name (a
+fused projection's weight and an embedding table of one shape are not), where ``inv_freq`` or ``rotary_sin`` are."""
+
+
+def _last(path: str) -> str:
+    """A module path's last name, lower-cased (``blocks.0.Inner`` -> ``inner``)."""
+    return path.rsplit(".", 1)[-1].lower()
+
 
 @dataclasses.dataclass(frozen=True)
 class Near:
@@ -73,7 +82,12 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
         best = scored[0]
         others = [entry for entry in scored[1:] if entry.twin.print.digest != best.twin.print.digest]  # copies: one
         second = others[0].distance if others else math.inf
-        namesake = not others and best.twin.print.name == item.print.name and _only(item, theirs)
+        namesake = (
+            not others
+            and best.twin.print.name == item.print.name
+            and (item.print.name not in _GENERIC or _last(item.module) == _last(best.twin.module))
+            and _only(item, theirs)
+        )
         if (best.distance < NEAR or (namesake and best.distance < NEAR_NAMESAKE)) and best.distance <= UNIQUE * second:
             proposals.append((best.distance, order, best, item))
     taken: set[int] = set()
