@@ -21,7 +21,7 @@ from paritylab.comparison.weights._records import (
     held,
 )
 from paritylab.comparison.weights._stretches import _by_stretches
-from paritylab.comparison.weights._tables import EXACT, _derived, _derived_detail
+from paritylab.comparison.weights._tables import EXACT, _derived, _derived_detail, _rebased
 from paritylab.tracing.structure import MASK, ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import display_path
 
@@ -42,6 +42,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
     open_theirs: list[Held] = []
     claimed: set[int] = set()
     shared: set[int] = set()
+    beside: dict[str, set[str]] = {}  # candidate module -> reference modules holding its other tensors' values
     for item in theirs:
         same = [twin for twin in digests.get(item.print.digest, ()) if _numel(twin) == _numel(item)]
         same += [
@@ -51,6 +52,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             ledger.matched += 1
             free = [twin for twin in same if id(twin) not in claimed]  # each reference copy holds one candidate's
             claimed.add(id(free[0] if free else same[0]))
+            beside.setdefault(item.module, set()).update(twin.module for twin in same)
             if not free or len(same) > 1:  # values the reference holds several times (untrained norms) or the
                 shared.update(id(twin) for twin in same)  # candidate more often: still a near one's twin
             layout = _layout(same[0], item) if len(same) == 1 else None
@@ -98,6 +100,17 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
                     detail = _derived_detail(function, twin, expected, row_sums, distance)
                     ledger.findings.append(_finding(twin, item, "differs", detail, distance))
                 continue
+            rebased = _rebased(item, ours) if blocks is None else None
+            if rebased is not None:  # a rotary table built from another base than the reference's frequencies
+                twin, function, base, built, distance = rebased
+                detail = (
+                    f"as {function}(position x {twin.print.name}), from row sums: built with base {built:.6g}, the "
+                    f"reference's frequencies have base {base:.6g}; rel_l2 ~{distance:.3g}"
+                )
+                ledger.findings.append(
+                    dataclasses.replace(_finding(twin, item, "differs", detail, distance), certain=True)
+                )
+                continue
             if blocks is None:
                 ledger.unmatched.append(item.name)
                 continue
@@ -126,8 +139,43 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             more = f" and {len(copies) - MAX_LISTED} more" if len(copies) > MAX_LISTED else ""
             detail += f" (the reference holds these values {len(copies)} times: in {listed}{more})"
         ledger.findings.append(_finding(twin, item, "differs", detail, rel_l2))
+    for twin, module in _dropped(reference, candidate, beside, claimed, ours):
+        name = f"{module}.{twin.print.name}" if module else twin.print.name
+        ledger.near_modules.setdefault(module, set()).add(twin.module)
+        detail = "none: its module holds every other tensor of the reference's and no such one (dropped, or zeros)"
+        ledger.findings.append(WeightFinding(name, twin.name, module, twin.module, "differs", detail, 1.0))
     ledger.module_pairs = _module_pairs(ledger, reference, candidate)
     return ledger
+
+
+def _dropped(
+    reference: Mapping[str, ModulePrint],
+    candidate: Mapping[str, ModulePrint],
+    beside: Mapping[str, set[str]],
+    claimed: set[int],
+    ours: list[Held],
+) -> list[tuple[Held, str]]:
+    """Reference tensors a conversion dropped (a bias left out, or zeroed: fingerprints leave all-zero tensors out, as
+    they compute nothing): held by no candidate tensor, in a reference module whose every other tensor is held
+    exactly by one candidate module that holds nothing else. Each with that candidate module."""
+    found: list[tuple[Held, str]] = []
+    for cand_path, modules in beside.items():
+        theirs = candidate.get(cand_path)
+        if theirs is None or len(modules) != 1 or theirs.buffers:
+            continue
+        (ref_path,) = modules
+        mine = reference.get(ref_path)
+        if mine is None or len(mine.params) <= len(theirs.params):
+            continue
+        held_keys = {_value_key(param) for param in theirs.params}
+        missing = [param for param in mine.params if _value_key(param) not in held_keys]
+        if len(missing) != len(mine.params) - len(theirs.params):
+            continue  # the candidate module holds something the reference module does not
+        for param in missing:
+            twin = next((item for item in ours if item.module == ref_path and item.print is param), None)
+            if twin is not None and id(twin) not in claimed:
+                found.append((twin, cand_path))
+    return found
 
 
 def _finding(ours: Held, theirs: Held, kind: str, detail: str, rel_l2: float | None = None) -> WeightFinding:
@@ -177,6 +225,11 @@ def _one_to_one(ours: ModulePrint, theirs: ModulePrint, ledger: WeightLedger) ->
             covered.add(_value_key(param))
         else:
             return False
+    names = {_named(theirs.path, param) for param in (*theirs.params, *theirs.buffers)}
+    for name, reference_name in near.items():  # a tensor the candidate's module does not hold (dropped)
+        twin = next((p for p in (*ours.params, *ours.buffers) if _named(ours.path, p) == reference_name), None)
+        if name not in names and twin is not None:
+            covered.add(_value_key(twin))
     return covered == set(ref_values)
 
 

@@ -48,12 +48,7 @@ def _derived(item: Held, ours: list[Held]) -> tuple[Held, str, float, numpy.ndar
         values = frequencies[0]
         if not _frequencies(values):
             continue
-        copies = shape[1] // len(values)
-        angles = numpy.outer(positions, values)
-        options = {"sin": copies * numpy.sin(angles).sum(1), "cos": copies * numpy.cos(angles).sum(1)}
-        if copies == 2:
-            options["cos | sin"] = (numpy.cos(angles) + numpy.sin(angles)).sum(1)
-        for name, expected in options.items():
+        for name, expected in _table_sums(positions, values, shape[1] // len(values)).items():
             scale = float(numpy.linalg.norm(expected))
             if scale > 0:
                 scored.append((float(numpy.linalg.norm(rows - expected)) / scale, other, name, expected))
@@ -84,3 +79,81 @@ def _frequencies(values: numpy.ndarray) -> bool:
     return len(values) >= 2 and bool(
         numpy.all(values > 0) and values[0] <= 1.0 + ROUNDING and numpy.all(numpy.diff(values) < 0)
     )
+
+
+def _table_sums(positions: numpy.ndarray, frequencies: numpy.ndarray, copies: int) -> dict[str, numpy.ndarray]:
+    """The row sums of the tables ``frequencies`` make at ``positions``, by the function they hold (each frequency
+    ``copies`` times; a ``cos | sin`` cache holds both)."""
+    angles = numpy.outer(positions, frequencies)
+    options = {"sin": copies * numpy.sin(angles).sum(1), "cos": copies * numpy.cos(angles).sum(1)}
+    if copies == 2:
+        options["cos | sin"] = (numpy.cos(angles) + numpy.sin(angles)).sum(1)
+    return options
+
+
+_SEARCHED_ROWS = 256
+"""Rows of a table the search for its base reads (its row sums depend on the positions alone); all are checked."""
+_POWERS = numpy.exp(numpy.linspace(math.log(1 / 64), math.log(64), 1201))
+"""Powers of the reference's frequencies tried: a base from ``B**(1/64)`` to ``B**64`` (10,000 -> 1,000,000 is 1.5)."""
+
+
+def _rebased(item: Held, ours: list[Held]) -> tuple[Held, str, float, float, float] | None:
+    """A candidate ``[positions, width]`` table that is the ``sin``, ``cos`` or ``cos | sin`` table of a reference
+    tensor's rotary frequencies built with another base: the reference's are geometric, ``B ** (-2j / d)``, and the
+    table's row sums are, within rounding, those of the same frequencies raised to one power ``k`` (a base
+    ``B ** k``). The reference tensor, the function, the reference's base and the table's, and the relative
+    distance of the table's row sums from those the reference's frequencies give; ``None`` where no power fits."""
+    sums = item.print.sums
+    shape = item.print.shape
+    if sums is None or len(shape) != 2 or shape[0] < 2:
+        return None
+    rows = sums[0]
+    searched = min(shape[0], _SEARCHED_ROWS)
+    positions = numpy.arange(shape[0], dtype=numpy.float64)
+    for other in ours:
+        frequencies = other.print.sums
+        width = other.print.shape[0] if len(other.print.shape) == 1 else 0
+        if not width or frequencies is None or shape[1] not in (width, 2 * width):
+            continue
+        values = frequencies[0]
+        if not _frequencies(values) or not _geometric(values):
+            continue
+        copies = shape[1] // len(values)
+        base = float(values[1] ** (-len(values)))  # values[j] = base ** (-j / len(values))
+        for name in _table_sums(positions[:2], values, copies):
+            fitted = _best_power(rows[:searched], positions[:searched], values, copies, name)
+            if fitted is None or abs(fitted - 1.0) < 1e-3:
+                continue
+            expected = _table_sums(positions, values**fitted, copies)[name]
+            scale = float(numpy.linalg.norm(expected)) or 1.0
+            if float(numpy.linalg.norm(rows - expected)) / scale > EXACT:
+                continue
+            reference = _table_sums(positions, values, copies)[name]
+            distance = float(numpy.linalg.norm(rows - reference)) / (float(numpy.linalg.norm(reference)) or 1.0)
+            return other, name, base, base**fitted, distance
+    return None
+
+
+def _best_power(
+    rows: numpy.ndarray, positions: numpy.ndarray, frequencies: numpy.ndarray, copies: int, name: str
+) -> float | None:
+    """The power of ``frequencies`` whose table's row sums lie nearest ``rows`` (a grid, then a finer one around its
+    best), when they lie within :data:`EXACT`."""
+    scale = float(numpy.linalg.norm(rows)) or 1.0
+
+    def distance(power: float) -> float:
+        return float(numpy.linalg.norm(rows - _table_sums(positions, frequencies**power, copies)[name])) / scale
+
+    coarse = [distance(float(power)) for power in _POWERS]
+    at = int(numpy.argmin(coarse))
+    low, high = _POWERS[max(at - 1, 0)], _POWERS[min(at + 1, len(_POWERS) - 1)]
+    fine = numpy.linspace(low, high, 201)
+    scores = [distance(float(power)) for power in fine]
+    best = int(numpy.argmin(scores))
+    return float(fine[best]) if scores[best] <= EXACT else None
+
+
+def _geometric(values: numpy.ndarray) -> bool:
+    """Frequencies falling by one ratio, as a rotary base makes them (Llama 3's banded scaling is not)."""
+    ratios = values[1:] / values[:-1]
+    return bool(numpy.all(numpy.abs(ratios / ratios[0] - 1.0) < 1e-4))
