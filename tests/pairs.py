@@ -1037,10 +1037,7 @@ def named_origin(report: Any) -> str | None:
     """The module a run names as where divergence starts, as its headline and ``report.json`` name it: a weight
     no call runs is named at the module holding it (``Report.weight_origin``: a position table, a conv weight its
     mixer's own code reads), else the first divergence's row; None when nothing diverges."""
-    table = report.weight_origin
-    if table is not None:
-        return str(table[0].reference_module)
-    return report.first_divergence.path if report.first_divergence is not None else None
+    return report.origin
 
 
 @contextmanager

@@ -296,6 +296,15 @@ class Report:
         )
 
     @property
+    def origin(self) -> str | None:
+        """The reference module the run names as where divergence starts, as its headline and ``report.json`` do
+        (``""`` is the model itself; ``None`` when nothing diverges): a weight no call judges is named at the module
+        holding it (:attr:`weight_origin`), else :attr:`first_divergence`'s path."""
+        if self.weight_origin:
+            return self.weight_origin[0].reference_module
+        return self.first_divergence.path if self.first_divergence else None
+
+    @property
     def weight_origin(self) -> tuple[WeightFinding, Row] | None:
         """Where divergence starts when it is a weight no module call judges: a tensor the weight ledger found to
         differ, held by a module that never runs (a position table its container's own code reads) or whose calls
@@ -353,13 +362,7 @@ class Report:
             "skipped": sum(row.verdict == "skip" for row in self.rows),
             "origins": [row.path for row in self.origins],
             "replay_origins": [row.path for row in self.replay_origins],
-            "first_divergence": (
-                self.weight_origin[0].reference_module
-                if self.weight_origin
-                else self.first_divergence.path
-                if self.first_divergence
-                else None
-            ),
+            "first_divergence": self.origin,
             "first_divergence_index": self.first_divergence.index if self.first_divergence else None,
             "culprit_reason": self.culprit_reason,
             "first_operation": self.drilldown.get("operation") if self.drilldown else None,

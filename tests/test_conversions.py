@@ -1,0 +1,258 @@
+"""Conversion bugs found by trying pairs from outside the suite: a fused projection whose shape an embedding table
+shares, a bias a conversion dropped, a rotary table built from another base, and a flat port (no module per layer)
+whose attention's code goes wrong. Each is named where it is, and the clean port passes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paritylab.run.parity import check
+
+D, HEADS = 32, 4
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, tokens, HEADS, -1).transpose(1, 2)
+
+        mixed = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.o(mixed.transpose(1, 2).reshape(batch, tokens, D))
+
+
+class _FusedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q, k, v = (t.view(batch, tokens, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, D))
+
+
+class _Model(nn.Module):
+    def __init__(self, vocab: int, fused: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, D)
+        self.blocks = nn.ModuleList([_FusedAttention() if fused else _Attention() for _ in range(2)])
+        self.head = nn.Linear(D, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_projection_shaped_like_the_embedding_is_not_taken_for_it(tmp_path, dtype):
+    """A fused [q; k; v] weight of the embedding table's shape (vocabulary 96, width 32), one element of its k block
+    x1.01, the table held twice (tied by copy): the ledger took the fused weight for a defective copy of the table
+    (two tensors named ``weight``, rel_l2 0.99) and bfloat16 PASSED. Now it is the k block, named at k."""
+    torch.manual_seed(0)
+    reference = _Model(96, fused=False).eval()
+    with torch.no_grad():
+        reference.head.weight.copy_(reference.embed.weight)
+        for block in reference.blocks:
+            for linear in (block.q, block.k, block.v, block.o):
+                linear.weight.normal_(0, (D * 8) ** -0.5)
+    candidate = _Model(96, fused=True).eval()
+    state = {"embed.weight": reference.embed.weight, "head.weight": reference.head.weight}
+    for index, block in enumerate(reference.blocks):
+        state[f"blocks.{index}.qkv.weight"] = torch.cat([block.q.weight, block.k.weight, block.v.weight])
+        state[f"blocks.{index}.out.weight"] = block.o.weight
+    state = {key: value.detach().clone() for key, value in state.items()}
+    candidate.load_state_dict(state)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    call = lambda model: model(ids)  # noqa: E731
+    clean = check(reference, candidate.to(dtype), tmp_path / "clean", reference_call=call, echo=None, drilldown=False)
+    assert clean.report.passed, clean.report.summary()
+    state["blocks.1.qkv.weight"][D + 10, 10] *= 1.01
+    candidate.load_state_dict(state)
+    result = check(reference, candidate.to(dtype), tmp_path / "k", reference_call=call, echo=None, drilldown=False)
+    assert not result.report.passed and result.report.origin == "blocks.1.k", result.report.summary()
+    assert not any("embed" in finding.reference for finding in result.report.alignment.weights.findings)
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln, self.act, self.fc2 = nn.Linear(16, 48), nn.LayerNorm(48), nn.GELU(), nn.Linear(48, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.ln(self.fc1(x))))
+
+
+class _NormPort(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 48), nn.LayerNorm(48), nn.Linear(48, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp[2](F.gelu(self.mlp[1](self.mlp[0](x))))
+
+
+def test_a_bias_the_conversion_dropped_is_named_at_its_module(tmp_path):
+    """A LayerNorm whose bias the conversion zeroed: fingerprints leave all-zero tensors out (they compute nothing),
+    so the module held the reference's weight alone and paired with nothing, and the GELU after it was named. The
+    ledger now says the bias was dropped, the modules pair, and the norm is named."""
+    torch.manual_seed(0)
+    reference = _Norm().eval()
+    with torch.no_grad():
+        reference.ln.weight.copy_(1 + 0.2 * torch.randn(48))
+        reference.ln.bias.copy_(0.1 * torch.randn(48))
+    names = {"fc1": "mlp.0", "ln": "mlp.1", "fc2": "mlp.2"}
+    state = {
+        names[key.split(".")[0]] + key[key.index(".") :]: value.clone() for key, value in reference.state_dict().items()
+    }
+    candidate = _NormPort().eval()
+    candidate.load_state_dict(state)
+    x = torch.randn(4, 16)
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=lambda m: m(x), echo=None, drilldown=False)
+    assert clean.report.passed, clean.report.summary()
+    state["mlp.1.bias"] = torch.zeros(48)
+    candidate.load_state_dict(state)
+    result = check(reference, candidate, tmp_path / "bias", reference_call=lambda m: m(x), echo=None, drilldown=False)
+    assert result.report.origin == "ln", result.report.summary()
+    (finding,) = result.report.alignment.weights.differing
+    assert (finding.reference, finding.candidate) == ("ln.bias", "mlp.1.bias") and "dropped" in finding.detail
+
+
+HIDDEN, THETA, POSITIONS = 32, 1e6, 64
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, -1)
+    return torch.cat((-second, first), -1)
+
+
+class _Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", THETA ** -(torch.arange(0, HIDDEN // HEADS, 2).float() / (HIDDEN // HEADS)))
+
+    def forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.arange(tokens).float()[:, None] * self.inv_freq[None]
+        angles = torch.cat((angles, angles), -1)
+        return angles.cos(), angles.sin()
+
+
+class _RotaryAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(3))
+        self.o = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.o(_attend(self.q(x), self.k(x), self.v(x), cos, sin))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    batch, tokens, _ = q.shape
+    q, k, v = (t.view(batch, tokens, HEADS, -1).transpose(1, 2) for t in (q, k, v))
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+    return (scores.to(v.dtype) @ v).transpose(1, 2).reshape(batch, tokens, -1)
+
+
+class _RotaryModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rotary, self.attention = nn.Embedding(64, HIDDEN), _Rotary(), _RotaryAttention()
+        self.post = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.attention(x, *self.rotary(ids.shape[1]))
+        return self.head(self.post(x))
+
+
+class _FlatPort(nn.Module):
+    """Every layer in the root's own code: a fused projection, a cos/sin table built once, a norm by function."""
+
+    def __init__(self, base: float = THETA) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(64, HIDDEN)
+        self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.norm_weight, self.norm_bias = nn.Parameter(torch.ones(HIDDEN)), nn.Parameter(torch.zeros(HIDDEN))
+        self.unembed = nn.Linear(HIDDEN, 64, bias=False)
+        half = HIDDEN // HEADS
+        inverse = 1.0 / base ** (torch.arange(0, half, 2, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(POSITIONS, dtype=torch.float64), inverse)
+        angles = torch.cat((angles, angles), -1)
+        self.register_buffer("table_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("table_sin", angles.sin().float(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        cos, sin = self.table_cos[: ids.shape[1]], self.table_sin[: ids.shape[1]]
+        x = x + self.out(_attend(*self.qkv(x).chunk(3, -1), cos, sin))
+        return self.unembed(F.layer_norm(x, (HIDDEN,), self.norm_weight, self.norm_bias))
+
+
+def _flat_pair(base: float = THETA, swap_kv: bool = False) -> tuple[_RotaryModel, _FlatPort]:
+    torch.manual_seed(0)
+    reference = _RotaryModel().eval()
+    with torch.no_grad():
+        reference.attention.q.weight.mul_(4)
+        reference.attention.k.weight.mul_(4)
+        reference.post.weight.copy_(1 + 0.2 * torch.randn(HIDDEN))
+        reference.post.bias.copy_(0.1 * torch.randn(HIDDEN))
+    attention = reference.attention
+    k, v = (attention.v, attention.k) if swap_kv else (attention.k, attention.v)
+    candidate = _FlatPort(base).eval()
+    state = {
+        "tokens.weight": reference.embed.weight, "out.weight": attention.o.weight,
+        "qkv.weight": torch.cat([attention.q.weight, k.weight, v.weight]), "unembed.weight": reference.head.weight,
+        "norm_weight": reference.post.weight, "norm_bias": reference.post.bias,
+    }  # fmt: skip
+    candidate.load_state_dict({key: value.detach().clone() for key, value in state.items()})
+    return reference, candidate
+
+
+def test_a_flat_port_whose_attention_code_goes_wrong_names_the_attention_not_a_later_norm(tmp_path):
+    """A port with no module per layer, its key and value exchanged by the conversion: every projection agrees with
+    the rows it holds, and the attention's computation, in the root's code, goes wrong. The norm after it, which has
+    no counterpart either, was named ("its own input agrees", though the output projection before it already
+    failed); the attention is."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    reference, clean_port = _flat_pair()
+    clean = check(reference, clean_port, tmp_path / "clean", reference_call=lambda m: m(ids), echo=None)
+    assert clean.report.passed, clean.report.summary()
+    reference, candidate = _flat_pair(swap_kv=True)
+    result = check(reference, candidate, tmp_path / "kv", reference_call=lambda m: m(ids), echo=None, drilldown=False)
+    assert result.report.origin == "attention", result.report.summary()
+    post = next(row for row in result.report.rows if row.path == "post")
+    assert post.cause != "origin"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rotary_table_built_from_another_base_says_so(tmp_path, dtype):
+    """The port builds its cos/sin tables with base 10,000 where the reference's frequencies have base 1,000,000:
+    no reference tensor holds such a table, so it was left unmatched. The ledger now finds the base its row sums
+    fit and says so, a certain finding, and the run fails in both precisions."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    reference, candidate = _flat_pair(base=1e4)
+    call = lambda m: m(ids)  # noqa: E731
+    result = check(reference, candidate.to(dtype), tmp_path, reference_call=call, echo=None, drilldown=False)
+    assert not result.report.passed
+    found = {finding.candidate: finding for finding in result.report.alignment.weights.differing}
+    assert set(found) >= {"table_cos", "table_sin"} and all(found[name].certain for name in ("table_cos", "table_sin"))
+    built = float(found["table_cos"].detail.split("built with base ")[1].split(",")[0])
+    assert (
+        abs(math.log(built / 1e4)) < 1e-2 and "the reference's frequencies have base 1e+06" in found["table_cos"].detail
+    )
