@@ -336,9 +336,10 @@ class Report:
                 continue
             own = by_path.get(finding.reference_module)
             if own is not None:  # it runs, unpaired: the candidate computes it in the code of another module
-                if first.index != own.index and first.index not in set(ancestors(own, by_index)):
+                elsewhere = first.index != own.index and first.index not in set(ancestors(own, by_index))
+                if elsewhere and not _unchecked_after(first, own, self.rows, judged):
                     continue  # divergence starting elsewhere, its input agreeing, says it agrees
-                if paired_with.get(finding.candidate_module, set()) & around:
+                if first.index in paired_with.get(finding.candidate_module, set()):
                     continue  # the candidate module holding the tensor is paired, and divergence starts there
             encloses = reader.index in around
             earlier = reader.diverged and reader.index < first.index
@@ -448,3 +449,12 @@ def output_at(call: CallRecord, slot: str | None) -> Node | None:
     if slot is None:
         return None
     return dict(iter_tensors(call.outputs, "outputs")).get(slot)
+
+
+def _unchecked_after(first: Row, own: Row, rows: list[Row], judged: set[str]) -> bool:
+    """``first`` (where divergence was found to start) is a module with no counterpart that runs after ``own`` with
+    no judged module between them that agrees: nothing shows ``first``'s input agreeing, so ``own``'s differing weight
+    (a norm the candidate's own code applies, its scale held by the candidate's root) is where the values part."""
+    if first.status != "unmatched" or first.index <= own.index:
+        return False
+    return all(row.diverged for row in rows if own.index < row.index < first.index and row.path in judged)
