@@ -151,9 +151,25 @@ def attach_replay(
                     note = f"{REORDERED}, and {parent.path or '<root>'}'s own code hands {row.path} a value that "
                     fed_wrong.setdefault(sibling.index, (sibling, note + f"diverges: {REORDERED_WHY}"))
                 else:
-                    note = f"its own code between its children gives {row.path or '<root>'} a value the reference "
-                    note += f"does not, with the same {lifted.dtype} weights computed in float32 (lifted replay)"
-                    fed_wrong.setdefault(parent.index, (parent, note))
+                    maker = producer_row(by_index, reference, row)
+                    upstream = producer_row(by_index, reference, maker) if maker is not None else None
+                    if (
+                        maker is not None
+                        and maker.status == "unmatched"
+                        and upstream is not None
+                        and not any(
+                            upstream.diverged or lifted.own_error(lifted_rows.get(upstream.reference.key)) is not None
+                            for _ in (0,)
+                        )
+                    ):  # what it was given came straight from a module with no counterpart, fed what agrees
+                        note = f"no counterpart, and what it gives {row.path} differs while its own input agrees, "
+                        note += f"with the same {lifted.dtype} weights computed in float32 (lifted replay)"
+                        fed_wrong.setdefault(maker.index, (maker, note))
+                    else:
+                        note = f"its own code between its children gives {row.path or '<root>'} a value the "
+                        note += f"reference does not, with the same {lifted.dtype} weights computed in float32 "
+                        note += "(lifted replay)"
+                        fed_wrong.setdefault(parent.index, (parent, note))
         row.local = {"local_rel_l2": own, "local_diverged": float(diverged)}
         if coded:
             row.local[CODE_DIFFERENCE] = 1.0
