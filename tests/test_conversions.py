@@ -256,3 +256,100 @@ def test_a_rotary_table_built_from_another_base_says_so(tmp_path, dtype):
     assert (
         abs(math.log(built / 1e4)) < 1e-2 and "the reference's frequencies have base 1e+06" in found["table_cos"].detail
     )
+
+
+class _Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.gn, self.act = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU()
+        self.conv2 = nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.act(self.gn(self.stem(x))))
+
+
+class _StemPort(nn.Module):
+    """The norm and the activation as functions in the root's code, the norm's scale and shift held by the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entry, self.mix = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1)
+        self.norm_scale, self.norm_shift = nn.Parameter(torch.ones(16)), nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.group_norm(self.entry(x), 4, self.norm_scale, self.norm_shift, 1e-5)
+        return self.mix(F.silu(normed))
+
+
+def test_a_norm_applied_by_a_function_is_named_by_its_differing_weight(tmp_path):
+    """The norm's scale x1.01, applied by ``F.group_norm`` in the root's code: the ledger finds the scale, yet the
+    activation after the norm (no counterpart either) was named. Nothing shows that activation's input agreeing, and
+    the root that holds the scale is no row where divergence starts, so the norm is named."""
+    torch.manual_seed(0)
+    reference = _Stem().eval()
+    with torch.no_grad():
+        reference.gn.weight.copy_(1 + 0.2 * torch.randn(16))
+        reference.gn.bias.copy_(0.1 * torch.randn(16))
+    state = {
+        "entry.weight": reference.stem.weight, "entry.bias": reference.stem.bias,
+        "mix.weight": reference.conv2.weight, "mix.bias": reference.conv2.bias,
+        "norm_scale": reference.gn.weight * 1.01, "norm_shift": reference.gn.bias,
+    }  # fmt: skip
+    candidate = _StemPort().eval()
+    candidate.load_state_dict({key: value.detach().clone() for key, value in state.items()})
+    x = torch.randn(2, 3, 8, 8)
+    result = check(reference, candidate, tmp_path, reference_call=lambda m: m(x), echo=None, drilldown=False)
+    assert result.report.origin == "gn", result.report.summary()
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Residual(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.mlp, self.out = nn.Linear(16, 32), mlp, nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(x)
+        return self.out(hidden + self.mlp(hidden))
+
+
+class _TanhMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_activation_done_otherwise_by_a_function_is_named_in_either_precision(tmp_path, dtype):
+    """GELU's tanh form by ``F.gelu`` where the reference's ``nn.GELU`` is exact: named at the activation in float32;
+    in bfloat16 only the lifted replay sees it, and it named the MLP's own code. What the second projection was
+    given came straight from the activation, fed what agrees: the activation is named in both."""
+    torch.manual_seed(0)
+    reference = _Residual(_Mlp()).eval()
+    with torch.no_grad():
+        reference.mlp.fc1.weight.mul_(8)
+    names = {"inp": "inp", "mlp.fc1": "mlp.up", "mlp.fc2": "mlp.down", "out": "out"}
+    state = {}
+    for key, value in reference.state_dict().items():
+        module = key.rsplit(".", 1)[0]
+        state[names[module] + key[len(module) :]] = value.clone()
+    candidate = _Residual(_TanhMlp())
+    candidate.load_state_dict(state)
+    candidate = candidate.to(dtype).eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    result = check(
+        reference, candidate, tmp_path, reference_call=lambda m: m(x), candidate_call=lambda m: m(x.to(dtype)),
+        cast_inputs=lambda wanted: lambda m: m(x.to(wanted)), echo=None, drilldown=False,
+    )  # fmt: skip
+    assert result.report.origin == "mlp.act", result.report.summary()

@@ -184,7 +184,8 @@ def test_a_fused_projection_whose_whole_parts_are_exchanged_is_named(tmp_path, d
     first = result.report.first_divergence
     assert not result.report.passed and first is not None, result.report.summary()
     assert first.path == "gate" and first.candidate is not None and first.candidate.key == "proj#0"
-    assert "with its parts in another order: up at 0-23, gate at 24-47, <root> agrees" in first.note
+    said = "with its parts in another order (it holds gate at 0-23, up at 24-47): read as up at 0-23, gate at 24-47, "
+    assert said + "<root> agrees" in first.note
 
 
 def test_block_orders():

@@ -217,6 +217,7 @@ def _fused(children: list[Row], by_reference: Mapping[str, Pair], candidate: Tra
         if any(before[1] != after[0] for before, after in itertools.pairwise(placed)):
             continue  # not one run of parts: another layout than concatenation
         first = min((row for row, _ in members), key=lambda row: row.index)
+        held = ", ".join(f"{row.path} at {start}-{stop - 1}" for start, stop, row, _ in placed)
         for arrangement in itertools.permutations(placed):
             if list(arrangement) == placed:
                 continue
@@ -225,4 +226,5 @@ def _fused(children: list[Row], by_reference: Mapping[str, Pair], candidate: Tra
                 pairs.append(replace(pair, candidate_part=Part(start=at, stop=at + stop - start)))
                 said.append(f"{row.path} at {at}-{at + stop - start - 1}")
                 at += stop - start
-            yield Hypothesis(first, tuple(pairs), "with its parts in another order: " + ", ".join(said))
+            said_now = f"with its parts in another order (it holds {held}): read as " + ", ".join(said)
+            yield Hypothesis(first, tuple(pairs), said_now)
