@@ -321,3 +321,23 @@ def test_code_that_reorders_features_before_a_transposed_layout_is_named_not_the
     assert first is not None and first.path == "", result.report.culprit_reason
     o = next(row for row in result.report.rows if row.path == "o")
     assert o.input_verdict == "fail" and o.cause == "inherited"
+
+
+def test_halves_exchanged_in_a_weight_held_transposed_are_named_at_its_module(tmp_path):
+    """A weight a port holds transposed (an unembedding ``W_U [d_model, vocab]``) with its rows' halves exchanged by
+    the conversion: the same values, transposed, lines in another order, as a port reading its input in its own order
+    holds them. Its input arrives in the reference's order, so that order is not taken: the module is named, its
+    input agreeing (taking it named the model)."""
+    torch.manual_seed(0)
+    reference = _TwoLinear().eval()
+    candidate = _TwoLinear().eval()
+    with torch.no_grad():
+        candidate.a.load_state_dict(reference.a.state_dict())
+    candidate.o = _Conv1D(reference.o)
+    x = torch.randn(4, 6, 16)
+    clean = check(reference, candidate, tmp_path / "clean", reference_call=_call(x), echo=None)
+    assert clean.report.passed, clean.report.summary()
+    _exchange_halves(candidate.o.weight)
+    result = check(reference, candidate, tmp_path / "halves", reference_call=_call(x), echo=None, drilldown=False)
+    first = result.report.first_divergence
+    assert first is not None and first.path == "o" and first.input_verdict == "pass", result.report.culprit_reason

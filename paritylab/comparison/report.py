@@ -115,7 +115,9 @@ def compare_traces(
             rows.append(_unmatched_row(call, "ignored by rule" if call.key in ignored else ""))
             continue
         other = candidate.call(pair.candidate)
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
+        row = _compare_pair(
+            reference, candidate, call, other, pair, tolerances, memo, partner, reordering, alignment.weights.turned
+        )
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         mark_divergence(row, noise_multiple)
         rows.append(row)
@@ -129,7 +131,9 @@ def compare_traces(
     _check_other_outputs(whole, rows, reference, candidate, tolerances, memo, partner, noise_floor, noise_multiple)
 
     def rejudge(call: CallRecord, other: CallRecord, pair: Pair) -> Row:
-        row = _compare_pair(reference, candidate, call, other, pair, tolerances, memo, partner, reordering)
+        row = _compare_pair(
+            reference, candidate, call, other, pair, tolerances, memo, partner, reordering, alignment.weights.turned
+        )
         _apply_floor(row, (noise_floor or {}).get(call.key), noise_multiple)
         mark_divergence(row, noise_multiple)
         return row
@@ -325,9 +329,13 @@ def _compare_pair(
     memo: dict[tuple[Any, ...], tuple[str, str, dict[str, float], str]],
     partner: Mapping[int, int],
     reordering: Collection[str] = (),
+    turned_orders: Mapping[tuple[str, str], tuple[int, ...]] | None = None,
 ) -> Row:
     """One pair's row. ``reordering``: candidate modules holding a weight the ledger found to differ, whose input
-    is compared in the order its features arrive in where they arrive in another (:func:`_input_in_order`)."""
+    is compared in the order its features arrive in where they arrive in another (:func:`_input_in_order`);
+    ``turned_orders``: the orders of weights held transposed in a port's own order
+    (:attr:`~paritylab.comparison.weights.WeightLedger.turned`), taken only where the input arrives in exactly one."""
+    turned_orders = turned_orders or {}
     ref_slot = primary_slot(ref_call, pair.reference_index)
     cand_slot = primary_slot(cand_call, pair.candidate_index)
     if pair.reference_index is None and pair.candidate_index is None:
@@ -367,6 +375,9 @@ def _compare_pair(
         )
         if row.input_verdict == "fail" and pair.candidate_input_part is None and cand_call.path in reordering:
             _input_in_order(row, reference, candidate, ref_in, cand_in)
+        turned = turned_orders.get((ref_call.path, cand_call.path))
+        if row.input_verdict == "fail" and pair.candidate_input_part is None and turned is not None:
+            _input_in_order(row, reference, candidate, ref_in, cand_in, turned)
         for other_ref, other_cand in _inputs_by_dataflow(ref_input_call, cand_input_call, ref_in, partner):
             _, verdict, metrics, _ = _judge_once(
                 memo, reference, candidate, other_ref, other_cand, None, None, row.tolerance
@@ -377,7 +388,9 @@ def _compare_pair(
     return row
 
 
-def _input_in_order(row: Row, reference: Trace, candidate: Trace, ref_in: Node, cand_in: Node) -> None:
+def _input_in_order(
+    row: Row, reference: Trace, candidate: Trace, ref_in: Node, cand_in: Node, expected: tuple[int, ...] | None = None
+) -> None:
     """A module whose weight differs, whose input differs as compared: where the input's features are the
     reference's in another order (:func:`~paritylab.comparison.feature_order.features_in_order`) and agree so, its
     input agrees (the module is where divergence starts, not the code before it) and the note says so."""
@@ -385,8 +398,8 @@ def _input_in_order(row: Row, reference: Trace, candidate: Trace, ref_in: Node, 
     if ref_value is None or cand_value is None or row.tolerance is None:
         return
     order = features_in_order(ref_value, cand_value)
-    if order is None:
-        return
+    if order is None or (expected is not None and order != expected):
+        return  # (``expected``: the order a weight held transposed gives; an input in another order is no layout)
     metrics = divergence(ref_value, cand_value[..., list(order)], row.tolerance)
     if within(metrics):
         row.input_verdict, row.input_metrics = "pass", metrics

@@ -11,6 +11,7 @@ from paritylab.comparison.alignment._features import MIN_AUTO_SCORE, WRAPPER_SCO
 from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._sequence import _dp
 from paritylab.comparison.alignment._shapes import _fits, _primary_input, _shape, shapes_fit
+from paritylab.comparison.weights import line_order
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord
 
@@ -101,39 +102,20 @@ def _reordered(
     interleaved pairs, as Meta's Llama code lays it out, against transformers' halves); else ``None``. The rows
     must be the output's last dimension and tell themselves apart (unique row hashes). ``columns``: the same for
     the input features (``shape`` the input's), read from the weight's columns (an output projection reading the
-    attention heads in another order). A candidate weight holding the values transposed is read turned back (its
-    columns for the reference's rows): a conversion that transposed a square weight keeps the order its features
-    were in, so the module, not the code feeding it, is where the values go wrong."""
+    attention heads in another order)."""
     if ref is None or cand is None or not shape:
         return None
-    ref_params = [param for param in ref.params if param.row_bytes]
-    cand_params = [param for param in cand.params if param.row_bytes]
-    if len(ref_params) != 1 or len(cand_params) != 1:
+    ref_rows = [param.col_bytes if columns else param.row_bytes for param in ref.params if param.row_bytes]
+    cand_rows = [param.col_bytes if columns else param.row_bytes for param in cand.params if param.row_bytes]
+    if len(ref_rows) != 1 or len(cand_rows) != 1 or ref_rows[0] == cand_rows[0]:
         return None
-    theirs = numpy.frombuffer(ref_params[0].col_bytes if columns else ref_params[0].row_bytes, dtype="<u8")
+    theirs = numpy.frombuffer(ref_rows[0], dtype="<u8")
     if len(theirs) != shape[-1] or len(numpy.unique(theirs)) != len(theirs):
         return None
-    straight = cand_params[0].col_bytes if columns else cand_params[0].row_bytes
-    turned = cand_params[0].row_bytes if columns else cand_params[0].col_bytes
-    if straight == (ref_params[0].col_bytes if columns else ref_params[0].row_bytes):
-        return None  # in the reference's order
-    for held in (straight, turned):
-        order = _order(theirs, numpy.frombuffer(held, dtype="<u8"))
-        if order is not None:
-            return None if order == tuple(range(len(order))) else Part(indices=order, whole=True)
-    return None  # the rows differ (equal digests from other columns' order): not a reordering
-
-
-def _order(theirs: numpy.ndarray, ours: numpy.ndarray) -> tuple[int, ...] | None:
-    """For each of ``theirs`` (line hashes, unique), the position of the line hashing alike in ``ours``; ``None``
-    where one is missing."""
-    if len(ours) != len(theirs):
-        return None
-    order = numpy.argsort(ours, kind="stable")
-    at = numpy.clip(numpy.searchsorted(ours[order], theirs), 0, len(ours) - 1)
-    if not numpy.array_equal(ours[order][at], theirs):
-        return None
-    return tuple(int(position) for position in order[at])
+    order = line_order(theirs, numpy.frombuffer(cand_rows[0], dtype="<u8"))
+    if order is None:
+        return None  # the rows differ (equal digests from other columns' order): not a reordering
+    return Part(indices=order, whole=True)
 
 
 def _same_source(ref: CallRecord, cand: CallRecord, pairs: Mapping[int, int]) -> bool:

@@ -14,6 +14,7 @@ divergence starts).
 
 from __future__ import annotations
 
+from paritylab.comparison.weights._exact import line_order
 from paritylab.comparison.weights._ledger import as_twins, weight_ledger
 from paritylab.comparison.weights._records import (
     NEAR,
@@ -38,6 +39,7 @@ __all__ = [
     "WeightLedger",
     "as_twins",
     "held",
+    "line_order",
     "row_blocks",
     "weight_ledger",
 ]

@@ -48,6 +48,10 @@ def _all_rows_held(item: Held, rows: Mapping[tuple[int, int], int]) -> bool:
     return False
 
 
+TURNED = "the same values, transposed, with its lines in another order"
+"""The layout of a weight a port holds transposed in an order of its own (or a conversion transposed)."""
+
+
 def _layout(ours: Held, theirs: Held) -> str | None:
     """How a candidate tensor holding exactly the reference tensor's values lays them out, when it differs."""
     a, b = ours.print, theirs.print
@@ -56,13 +60,25 @@ def _layout(ours: Held, theirs: Held) -> str | None:
     if a.shape == b.shape[::-1] and a.row_bytes == b.col_bytes and a.col_bytes == b.row_bytes:
         return "the same values, transposed"
     if a.shape == b.shape[::-1] and _same_lines(a.row_bytes, b.col_bytes) and _same_lines(a.col_bytes, b.row_bytes):
-        return "the same values, transposed, with its lines in another order"
+        return TURNED
     if a.shape == b.shape and a.col_bytes == b.col_bytes:
         ref_rows = numpy.frombuffer(a.row_bytes, dtype="<u8")
         cand_rows = numpy.frombuffer(b.row_bytes, dtype="<u8")
         if sorted(ref_rows.tolist()) == sorted(cand_rows.tolist()):
             return "the same rows in another order: " + _row_runs(ref_rows, cand_rows)
     return None
+
+
+def line_order(theirs: numpy.ndarray, ours: numpy.ndarray) -> tuple[int, ...] | None:
+    """For each of ``theirs`` (line hashes, unique), the position of the line hashing alike in ``ours``; ``None``
+    where one is missing."""
+    if len(ours) != len(theirs):
+        return None
+    order = numpy.argsort(ours, kind="stable")
+    at = numpy.clip(numpy.searchsorted(ours[order], theirs), 0, len(ours) - 1)
+    if not numpy.array_equal(ours[order][at], theirs):
+        return None
+    return tuple(int(position) for position in order[at])
 
 
 def _same_lines(ours: bytes, theirs: bytes) -> bool:

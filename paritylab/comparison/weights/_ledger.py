@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import numpy
+
 from paritylab.comparison.weights._blocks import Fibers, _by_blocks, _by_part, _by_tiles
 from paritylab.comparison.weights._describe import _describe, _describe_reordered, _values_differ
-from paritylab.comparison.weights._exact import _all_rows_held, _layout, _row_index
+from paritylab.comparison.weights._exact import TURNED, _all_rows_held, _layout, _row_index, line_order
 from paritylab.comparison.weights._near import _nearest, _nearest_shifted, _transposed
 from paritylab.comparison.weights._records import (
     MAX_LISTED,
@@ -58,6 +60,10 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             layout = _layout(same[0], item) if len(same) == 1 else None
             if layout:
                 ledger.findings.append(_finding(same[0], item, "layout", layout))
+            if layout == TURNED:  # for each of the reference's columns (input features), the candidate's row
+                order = _turned_order(same[0].print, item.print)
+                if order is not None:
+                    ledger.turned[(same[0].module, item.module)] = order
             continue
         if _all_rows_held(item, rows):
             ledger.matched += 1
@@ -131,7 +137,10 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             detail, rel_l2, order = _describe_reordered(twin, turned, match.reordered)
             if match.flipped:
                 detail = f"transposed, {detail}"
-            ledger.orders[(twin.module, item.module)] = (match.reordered, order)
+                if match.reordered == 1:  # its columns, turned back: the order its input would arrive in
+                    ledger.turned[(twin.module, item.module)] = order
+            else:
+                ledger.orders[(twin.module, item.module)] = (match.reordered, order)
         else:
             detail, rel_l2 = _describe(twin, item, match.flipped)
         if len(copies) > 1:  # which copy, the order of the calls tells (the alignment), not the values
@@ -176,6 +185,14 @@ def _dropped(
             if twin is not None and id(twin) not in claimed:
                 found.append((twin, cand_path))
     return found
+
+
+def _turned_order(ours: ParamPrint, theirs: ParamPrint) -> tuple[int, ...] | None:
+    """For each column of a reference 2-D tensor, the row of the candidate's transposed copy holding it."""
+    columns = numpy.frombuffer(ours.col_bytes, dtype="<u8")
+    if len(numpy.unique(columns)) != len(columns):
+        return None
+    return line_order(columns, numpy.frombuffer(theirs.row_bytes, dtype="<u8"))
 
 
 def _finding(ours: Held, theirs: Held, kind: str, detail: str, rel_l2: float | None = None) -> WeightFinding:

@@ -102,6 +102,11 @@ class WeightLedger:
     reference's with its rows (axis 0: output features) or columns (1: input features) in another order: for each
     of the reference's features, where the candidate holds it. Output projections reading attention heads in their
     own order keep it with a defect on top; the alignment compares their inputs (or outputs) in that order."""
+    turned: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
+    """(Reference module, candidate module) -> for each of the reference's input features, the candidate's, where the
+    candidate's weight holds the reference's values (or a near copy) transposed with its lines in another order.
+    Whether the port reads its input in that order (its input arrives so) or a conversion transposed the weight,
+    only the input's values tell: the comparison takes that order where the input's features arrive in it."""
 
     @property
     def differing(self) -> list[WeightFinding]:
