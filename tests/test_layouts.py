@@ -210,6 +210,17 @@ class _TwoLinear(nn.Module):
         return self.o(torch.tanh(self.a(x)))
 
 
+def _in_own_order(reference: nn.Module, candidate: nn.Module) -> None:
+    """``candidate`` as a port holding the reference's hidden features in one other order: the first layer's rows
+    and the second's columns permuted alike (a layout its code reads so)."""
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        candidate.a.weight.copy_(reference.a.weight[order])
+        candidate.a.bias.copy_(reference.a.bias[order])
+        candidate.o.weight.copy_(reference.o.weight[:, order])
+        candidate.o.bias.copy_(reference.o.bias)
+
+
 def test_a_wrong_block_in_a_weight_read_in_another_order_is_named_at_its_module(tmp_path):
     """The first layer's rows and the second's columns in one other order (a layout the port's code reads so), and
     a block of the second's rows overwritten by its conversion: its columns' order is proven by no fingerprint any
@@ -217,12 +228,7 @@ def test_a_wrong_block_in_a_weight_read_in_another_order_is_named_at_its_module(
     positions, are the reference's in that order, so the second layer is named (its input agrees)."""
     torch.manual_seed(0)
     reference, candidate = _TwoLinear().eval(), _TwoLinear().eval()
-    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        candidate.a.weight.copy_(reference.a.weight[order])
-        candidate.a.bias.copy_(reference.a.bias[order])
-        candidate.o.weight.copy_(reference.o.weight[:, order])
-        candidate.o.bias.copy_(reference.o.bias)
+    _in_own_order(reference, candidate)
     x = torch.randn(4, 6, 16)
     clean = check(reference, candidate, tmp_path / "clean", reference_call=_call(x), echo=None)
     assert clean.report.passed, clean.report.summary()
@@ -276,12 +282,7 @@ def test_a_transposed_weight_read_in_its_own_order_is_named_at_its_module(tmp_pa
     code before it; the clean port passes."""
     torch.manual_seed(0)
     reference, candidate = _SquareOut().eval(), _SquareOut().eval()
-    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        candidate.a.weight.copy_(reference.a.weight[order])
-        candidate.a.bias.copy_(reference.a.bias[order])
-        candidate.o.weight.copy_(reference.o.weight[:, order])
-        candidate.o.bias.copy_(reference.o.bias)
+    _in_own_order(reference, candidate)
     x = torch.randn(4, 6, 16)
     clean = check(reference, candidate, tmp_path / "clean", reference_call=_call(x), echo=None)
     assert clean.report.passed, clean.report.summary()

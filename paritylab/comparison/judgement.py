@@ -300,8 +300,9 @@ class Report:
         """The reference module the run names as where divergence starts, as its headline and ``report.json`` do
         (``""`` is the model itself; ``None`` when nothing diverges): a weight no call judges is named at the module
         holding it (:attr:`weight_origin`), else :attr:`first_divergence`'s path."""
-        if self.weight_origin:
-            return self.weight_origin[0].reference_module
+        table = self.weight_origin  # a property that walks the rows: read once
+        if table is not None:
+            return table[0].reference_module
         return self.first_divergence.path if self.first_divergence else None
 
     @property
