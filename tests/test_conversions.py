@@ -1,6 +1,7 @@
 """Conversion bugs found by trying pairs from outside the suite: a fused projection whose shape an embedding table
 shares, a bias a conversion dropped, a rotary table built from another base, and a flat port (no module per layer)
-whose attention's code goes wrong. Each is named where it is, and the clean port passes."""
+whose attention's code goes wrong or whose fused projections hold their parts in an order its code does not read.
+Each is named where it is, and the clean port passes."""
 
 from __future__ import annotations
 
@@ -184,8 +185,9 @@ class _RotaryModel(nn.Module):
 class _FlatPort(nn.Module):
     """Every layer in the root's own code: a fused projection, a cos/sin table built once, a norm by function."""
 
-    def __init__(self, base: float = THETA) -> None:
+    def __init__(self, base: float = THETA, sine: float = 1.0) -> None:
         super().__init__()
+        self.sine = sine
         self.tokens = nn.Embedding(64, HIDDEN)
         self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.norm_weight, self.norm_bias = nn.Parameter(torch.ones(HIDDEN)), nn.Parameter(torch.zeros(HIDDEN))
@@ -200,11 +202,11 @@ class _FlatPort(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids)
         cos, sin = self.table_cos[: ids.shape[1]], self.table_sin[: ids.shape[1]]
-        x = x + self.out(_attend(*self.qkv(x).chunk(3, -1), cos, sin))
+        x = x + self.out(_attend(*self.qkv(x).chunk(3, -1), cos, self.sine * sin))
         return self.unembed(F.layer_norm(x, (HIDDEN,), self.norm_weight, self.norm_bias))
 
 
-def _flat_pair(base: float = THETA, swap_kv: bool = False) -> tuple[_RotaryModel, _FlatPort]:
+def _flat_pair(base: float = THETA, swap_kv: bool = False, sine: float = 1.0) -> tuple[_RotaryModel, _FlatPort]:
     torch.manual_seed(0)
     reference = _RotaryModel().eval()
     with torch.no_grad():
@@ -214,7 +216,7 @@ def _flat_pair(base: float = THETA, swap_kv: bool = False) -> tuple[_RotaryModel
         reference.post.bias.copy_(0.1 * torch.randn(HIDDEN))
     attention = reference.attention
     k, v = (attention.v, attention.k) if swap_kv else (attention.k, attention.v)
-    candidate = _FlatPort(base).eval()
+    candidate = _FlatPort(base, sine).eval()
     state = {
         "tokens.weight": reference.embed.weight, "out.weight": attention.o.weight,
         "qkv.weight": torch.cat([attention.q.weight, k.weight, v.weight]), "unembed.weight": reference.head.weight,
@@ -225,19 +227,109 @@ def _flat_pair(base: float = THETA, swap_kv: bool = False) -> tuple[_RotaryModel
 
 
 def test_a_flat_port_whose_attention_code_goes_wrong_names_the_attention_not_a_later_norm(tmp_path):
-    """A port with no module per layer, its key and value exchanged by the conversion: every projection agrees with
-    the rows it holds, and the attention's computation, in the root's code, goes wrong. The norm after it, which has
-    no counterpart either, was named ("its own input agrees", though the output projection before it already
-    failed); the attention is."""
+    """A port with no module per layer whose rotary code turns the wrong way (the sine's sign flipped): every
+    projection agrees, and the attention's computation, in the root's code, goes wrong. The norm after it, which
+    has no counterpart either, was named ("its own input agrees", though the output projection before it already
+    failed); the attention is, and no layout of the fused projection is taken for the bug."""
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
     reference, clean_port = _flat_pair()
     clean = check(reference, clean_port, tmp_path / "clean", reference_call=lambda m: m(ids), echo=None)
     assert clean.report.passed, clean.report.summary()
-    reference, candidate = _flat_pair(swap_kv=True)
-    result = check(reference, candidate, tmp_path / "kv", reference_call=lambda m: m(ids), echo=None, drilldown=False)
+    reference, candidate = _flat_pair(sine=-1.0)
+    result = check(reference, candidate, tmp_path / "sin", reference_call=lambda m: m(ids), echo=None, drilldown=False)
     assert result.report.origin == "attention", result.report.summary()
     post = next(row for row in result.report.rows if row.path == "post")
     assert post.cause != "origin"
+
+
+def _swap_q_heads(candidate: _FlatPort) -> None:
+    with torch.no_grad():
+        weight = candidate.qkv.weight
+        weight[:HIDDEN] = weight[:HIDDEN].clone().view(HEADS, -1, HIDDEN)[[1, 0, 3, 2]].reshape(HIDDEN, HIDDEN)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bug", ["kv", "q-heads"])
+def test_a_fused_projection_laid_out_wrongly_in_a_flat_port_is_named_at_its_part(tmp_path, dtype, bug):
+    """A flat port (the attention computed in the root's own code) whose conversion put the fused qkv's key and
+    value blocks in each other's place, or its query's heads in another order: every part agrees with the rows it
+    holds, so the attention, which has no counterpart, was named. The isolated replay of the root's code now tries
+    the fused parts in another order (and a part's features in the reference's order) and names the part whose
+    layout the code does not read, with the order under which it agrees."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    reference, candidate = _flat_pair(swap_kv=bug == "kv")
+    if bug == "q-heads":
+        _swap_q_heads(candidate)
+    call = lambda m: m(ids)  # noqa: E731
+    result = check(reference, candidate.to(dtype), tmp_path, reference_call=call, echo=None, drilldown=False)
+    named = result.report.first_divergence
+    assert not result.report.passed and named is not None, result.report.summary()
+    assert named.candidate is not None and named.candidate.key == "qkv#0"
+    if bug == "kv":
+        assert named.path == "attention.k"
+        held = "it holds attention.q at 0-31, attention.v at 32-63, attention.k at 64-95"
+        assert f"{held}): read as attention.q at 0-31, attention.k at 32-63, attention.v at 64-95" in named.note
+    else:
+        assert named.path == "attention.q" and "with its features in the reference's order, <root> agrees" in named.note
+    assert "<root>'s own code, which computes attention, does not read them" in named.note
+    attention = next(row for row in result.report.rows if row.path == "attention")
+    assert attention.cause == "contains-origin"
+
+
+class _GatedMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(HIDDEN, 64, bias=False), nn.Linear(HIDDEN, 64, bias=False)
+        self.down = nn.Linear(64, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _GatedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mlp, self.norm = nn.Embedding(64, HIDDEN), _GatedMlp(), nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(self.norm(x + self.mlp(x)))
+
+
+class _FlatGatedPort(nn.Module):
+    """The MLP in the root's own code: one fused [gate; up] projection, split by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gate_up = nn.Embedding(64, HIDDEN), nn.Linear(HIDDEN, 128, bias=False)
+        self.down, self.norm = nn.Linear(64, HIDDEN, bias=False), nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.head(self.norm(x + self.down(F.silu(gate) * up)))
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_fused_gate_and_up_exchanged_in_a_flat_port_is_named_at_the_projection(tmp_path, swapped):
+    """The conversion wrote [up; gate] where the port's code splits [gate; up]: the MLP (no counterpart: the root
+    computes it) was named; the fused projection is, and the clean conversion passes."""
+    torch.manual_seed(0)
+    reference, candidate = _GatedModel().eval(), _FlatGatedPort().eval()
+    mlp = reference.mlp
+    parts = [mlp.up.weight, mlp.gate.weight] if swapped else [mlp.gate.weight, mlp.up.weight]
+    state = {key: value for key, value in reference.state_dict().items() if not key.startswith("mlp.")}
+    state |= {"gate_up.weight": torch.cat(parts), "down.weight": mlp.down.weight}
+    candidate.load_state_dict({key: value.detach().clone() for key, value in state.items()})
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    result = check(reference, candidate, tmp_path, reference_call=lambda m: m(ids), echo=None, drilldown=False)
+    assert result.report.passed is not swapped, result.report.summary()
+    if swapped:
+        named = result.report.first_divergence
+        assert named is not None and named.path == "mlp.gate" and named.candidate is not None
+        assert named.candidate.key == "gate_up#0" and "read as mlp.gate at 0-63, mlp.up at 64-127" in named.note
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

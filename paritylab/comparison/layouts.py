@@ -54,6 +54,8 @@ class _Order:
     order: tuple[int, ...]
     side: str
     """``output`` (the pair compares the candidate's output reordered) or ``input`` (its input)."""
+    offset: int | None = None
+    """Where a fused output's part starts (its features at ``offset + order[j]``); None: the whole dimension."""
 
 
 def layout_hypotheses(report: Report, candidate: Trace) -> tuple[Row, list[Hypothesis]] | None:
@@ -65,9 +67,15 @@ def layout_hypotheses(report: Report, candidate: Trace) -> tuple[Row, list[Hypot
     module = report.first_divergence
     if module is not None and REORDERED in module.note and module.parent is not None:
         module = next((row for row in report.rows if row.index == module.parent), None)  # its reader's code
-    if module is None or module.candidate is None or module.status != "compared":
+    if module is not None and module.candidate is None and module.status == "unmatched":
+        held = _code_holder(report, module, candidate)
+        if held is None:
+            return None
+        module, children = held
+    elif module is None or module.candidate is None or module.status != "compared":
         return None
-    children = [row for row in report.rows if row.parent == module.index and row.status == "compared"]
+    else:
+        children = [row for row in report.rows if row.parent == module.index and row.status == "compared"]
     if not children or any(row.cause == "origin" and REORDERED not in row.note for row in children):
         return None  # a child that differs on its own values is judged on them
     by_reference = report.alignment.by_reference()
@@ -75,6 +83,33 @@ def layout_hypotheses(report: Report, candidate: Trace) -> tuple[Row, list[Hypot
     found = [*_permuted(orders, plain), *_fused(children, by_reference, candidate)]
     found.sort(key=lambda hypothesis: hypothesis.row.index)
     return (module, found[:MAX_HYPOTHESES]) if found else None
+
+
+def _code_holder(report: Report, blamed: Row, candidate: Trace) -> tuple[Row, list[Row]] | None:
+    """For a blamed module with no counterpart (a flat port computes its attention or MLP in an ancestor's own
+    code): the nearest ancestor that has one, whose code the isolated replay runs, and the compared modules inside
+    the blamed one whose candidate calls that ancestor's code makes itself (a fused ``qkv`` called by the root)."""
+    by_index = {row.index: row for row in report.rows}
+    holder = next(
+        (by_index[index] for index in ancestors(blamed, by_index) if by_index[index].status == "compared"), None
+    )
+    if holder is None or holder.candidate is None:
+        return None
+    try:
+        made_by = candidate.call(holder.candidate.key).index
+    except KeyError:
+        return None
+    children = []
+    for row in subtree(report, blamed):
+        if row is blamed or row.status != "compared" or row.candidate is None:
+            continue
+        try:
+            parent = candidate.call(row.candidate.key).parent
+        except KeyError:
+            continue
+        if parent == made_by:
+            children.append(row)
+    return holder, children
 
 
 def with_layout(alignment: Alignment, hypothesis: Hypothesis) -> Alignment:
@@ -103,11 +138,31 @@ def _orders(
         for side, part in (("output", pair.candidate_part), ("input", pair.candidate_input_part)):
             if part is not None and part.whole and part.indices:
                 reordered.append(_Order(row, pair, tuple(part.indices), side))
+        fused = _fused_span(pair.candidate_part)
+        if fused is not None:  # a part of a fused output: in another order inside its span, or in its own
+            start, order = fused
+            (plain if order == tuple(range(len(order))) else reordered).append(
+                _Order(row, pair, order, "output", start)
+            )
         if pair.candidate_part is None and row.reference.shape:
             width = _width(candidate, pair.candidate)
             if width is not None and width == row.reference.shape[-1]:
                 plain.append(_Order(row, pair, tuple(range(width)), "output"))
     return reordered, plain
+
+
+def _fused_span(part: Part | None) -> tuple[int, tuple[int, ...]] | None:
+    """A fused output's part as the span it covers and its order inside it (reference feature ``j`` at
+    ``start + order[j]``): a contiguous slice, or positions that fill one span in another order."""
+    if part is None or part.whole:
+        return None
+    if part.indices:
+        start = min(part.indices)
+        order = tuple(index - start for index in part.indices)
+        return (start, order) if sorted(order) == list(range(len(order))) else None
+    if part.index is not None or part.stop is None or part.stop <= part.start:
+        return None
+    return part.start, tuple(range(part.stop - part.start))
 
 
 def _width(trace: Trace, key: str) -> int | None:
@@ -159,7 +214,13 @@ def _permuted(orders: list[_Order], plain: list[_Order]) -> Iterator[Hypothesis]
 
 
 def _hypothesis(child: _Order, order: tuple[int, ...], said: str) -> Hypothesis:
-    return Hypothesis(child.row, (replace(child.pair, candidate_part=Part(indices=order, whole=True)),), said)
+    if child.offset is None:
+        part = Part(indices=order, whole=True)
+    elif order == tuple(range(len(order))):
+        part = Part(start=child.offset, stop=child.offset + len(order))
+    else:
+        part = Part(indices=tuple(child.offset + position for position in order))
+    return Hypothesis(child.row, (replace(child.pair, candidate_part=part),), said)
 
 
 def _block_size(orders: Sequence[tuple[int, ...]]) -> int | None:
@@ -216,15 +277,16 @@ def _fused(children: list[Row], by_reference: Mapping[str, Pair], candidate: Tra
         )
         if any(before[1] != after[0] for before, after in itertools.pairwise(placed)):
             continue  # not one run of parts: another layout than concatenation
-        first = min((row for row, _ in members), key=lambda row: row.index)
         held = ", ".join(f"{row.path} at {start}-{stop - 1}" for start, stop, row, _ in placed)
         for arrangement in itertools.permutations(placed):
             if list(arrangement) == placed:
                 continue
-            pairs, said, at = [], [], placed[0][0]
+            pairs, said, moved, at = [], [], [], placed[0][0]
             for start, stop, row, pair in arrangement:
                 pairs.append(replace(pair, candidate_part=Part(start=at, stop=at + stop - start)))
                 said.append(f"{row.path} at {at}-{at + stop - start - 1}")
+                if at != start:
+                    moved.append(row)
                 at += stop - start
             said_now = f"with its parts in another order (it holds {held}): read as " + ", ".join(said)
-            yield Hypothesis(first, tuple(pairs), said_now)
+            yield Hypothesis(min(moved, key=lambda row: row.index), tuple(pairs), said_now)

@@ -108,12 +108,15 @@ def _named(report: Report, module: Row, hypothesis: Hypothesis, worst: float, af
     report = report.copy()
     by_index = {row.index: row for row in report.rows}
     child, around = by_index[hypothesis.row.index], by_index[module.index]
+    named = report.first_divergence
     where = around.path or "<root>"
+    code = f"{where}'s own code"
+    if named is not None and named.candidate is None and around.index in ancestors(named, by_index):
+        code = f"{code}, which computes {named.path},"  # a flat port: the blamed module's code is its ancestor's
     finding = (
-        f"{REORDERED}, and {where}'s own code does not read them in that order ({REORDERED_WHY}): "
+        f"{REORDERED}, and {code} does not read them in that order ({REORDERED_WHY}): "
         f"{hypothesis.said}, {where} agrees (own error {worst:.3g} -> {after:.3g}, isolated replay)"
     )
-    named = report.first_divergence
     if named is child:  # already named for its order: the replay confirms it
         confirmed = f"{hypothesis.said}, {where} agrees (own error {worst:.3g} -> {after:.3g}, isolated replay)"
         report.culprit_reason = f"{report.culprit_reason}; {confirmed}"
