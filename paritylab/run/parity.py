@@ -28,6 +28,7 @@ from paritylab.comparison.metrics import Tolerance, Tolerances, divergence
 from paritylab.comparison.replay import isolated_replay, layer_replay
 from paritylab.comparison.report import Report, compare_traces, primary_output
 from paritylab.comparison.report import noise_floor as free_run_floor
+from paritylab.run.function_reads import judge_function_reads
 from paritylab.run.layouts import judge_layouts
 from paritylab.run.lifting import LIFTED_MEMORY_SHARE, cast_call, lift, private_call
 from paritylab.run.resident import available_memory, converted_bytes, converted_copy, model_bytes
@@ -437,6 +438,7 @@ def judge_with_replay(
     if not judged.passed:
         yardsticks = floors.local_metrics if floors is not None else None
         judged = judge_layouts(judged, candidate, candidate_call, reference_trace, candidate_trace, yardsticks)
+        judged = judge_function_reads(judged, reference, candidate, candidate_call, reference_trace, candidate_trace)
         add_layer_errors(judged, candidate, candidate_call, reference_trace, candidate_trace)
     return judged, floors
 
