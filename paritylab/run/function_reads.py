@@ -154,7 +154,7 @@ def _same(one: torch.Tensor, other: torch.Tensor) -> bool:
         return False
     with torch.no_grad():
         narrow = other.dtype if torch.finfo(other.dtype).bits < torch.finfo(one.dtype).bits else one.dtype
-        return bool(torch.equal(one.detach().to("cpu", narrow), other.detach().to("cpu", narrow)))
+        return bool(torch.equal(one.detach().to(other.device, narrow), other.detach().to(dtype=narrow)))
 
 
 def _reference_input(trace: Trace, key: str) -> torch.Tensor | None:
