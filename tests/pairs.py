@@ -97,7 +97,7 @@ def mambapy_available() -> str | None:
 
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
-    if name in ("llava", "clip-text", "mixtral"):  # our ports; torch's own nn.TransformerEncoder
+    if name in ("llava", "clip-text", "mixtral", "convnext"):  # our ports; torch's own nn.TransformerEncoder
         return None
     checks = {
         "vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available,
@@ -540,6 +540,120 @@ def whisper(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     return PairCase(
         "whisper/openai-whisper", reference, candidate, cast(torch.float32), lambda m: m(mel.to(dtype), ids), sites,
         cast, unpaired, weight_sites=tables,
+    )  # fmt: skip
+
+
+class ChannelsFirstNorm(nn.Module):
+    """The original ConvNeXt's channels-first LayerNorm, written out: mean and variance over dimension 1."""
+
+    def __init__(self, channels: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(channels)), nn.Parameter(torch.zeros(channels))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(1, keepdim=True)
+        variance = (x - mean).pow(2).mean(1, keepdim=True)
+        x = (x - mean) / torch.sqrt(variance + self.eps)
+        return self.weight[:, None, None] * x + self.bias[:, None, None]
+
+
+class ChannelsFirstBlock(nn.Module):
+    """A ConvNeXt block kept in ``[N, C, H, W]`` throughout: 1x1 convolutions where transformers permutes to
+    channels-last for its norm and linear layers; the layer scale held as ``[C, 1, 1]``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = ChannelsFirstNorm(channels)
+        self.fc1, self.act = nn.Conv2d(channels, 4 * channels, 1), nn.GELU()
+        self.fc2 = nn.Conv2d(4 * channels, channels, 1)
+        self.gamma = nn.Parameter(torch.ones(channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.fc2(self.act(self.fc1(self.norm(self.dwconv(x)))))
+
+
+class ChannelsFirstConvNeXt(nn.Module):
+    """ConvNeXt written channels-first (the original repository's ``conv_mlp`` form): returns the last feature map
+    and the pooled, normed features."""
+
+    def __init__(self, widths: tuple[int, ...], depths: tuple[int, ...], patch: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], patch, stride=patch), ChannelsFirstNorm(widths[0]))
+        self.stages = nn.ModuleList()
+        for i, (width, depth) in enumerate(zip(widths, depths, strict=True)):
+            stage = nn.Module()
+            if i:
+                stage.down = nn.Sequential(ChannelsFirstNorm(widths[i - 1]), nn.Conv2d(widths[i - 1], width, 2, 2))
+            stage.blocks = nn.Sequential(*(ChannelsFirstBlock(width) for _ in range(depth)))
+            self.stages.append(stage)
+        self.norm = nn.LayerNorm(widths[-1], eps=1e-12)
+
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.stem(pixels)
+        for stage in self.stages:
+            x = stage.blocks(stage.down(x) if hasattr(stage, "down") else x)
+        return x, self.norm(x.mean((-2, -1)))
+
+
+CONVNEXT_BLOCK = {"dwconv": "dwconv", "norm": "layernorm", "fc1": "pwconv1", "act": "act", "fc2": "pwconv2"}
+
+
+def convnext(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers ConvNextModel (each block permutes to channels-last for its norm and its two linear layers)
+    against a channels-first port: 1x1 convolutions, a written-out norm over channels, the layer scale held as
+    ``[C, 1, 1]``. The conversion below adds the 1x1 kernels' two dimensions and reshapes the layer scale."""
+    from transformers import ConvNextConfig, ConvNextModel
+
+    widths, depths = (16, 32), (layers, layers)
+    config = ConvNextConfig(
+        hidden_sizes=list(widths), depths=list(depths), num_stages=len(widths), num_channels=3, patch_size=4,
+        image_size=32, layer_scale_init_value=0.5, layer_norm_eps=1e-12, hidden_act="gelu",
+    )  # fmt: skip
+    reference = _seeded_reference(ConvNextModel, config)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # norms and layer scales away from their constants
+        torch.manual_seed(SEED[0] + 2)
+        for name, tensor in reference.named_parameters():
+            if "layernorm" in name or "downsampling_layer.0" in name or "layer_scale" in name:
+                tensor.copy_((1.0 if name.endswith(("weight", "parameter")) else 0.0) + 0.2 * torch.randn_like(tensor))
+    with torch.random.fork_rng(devices=[]):
+        candidate = ChannelsFirstConvNeXt(widths, depths).eval()
+    weights = reference.state_dict()
+    converted = {f"stem.0.{kind}": weights[f"embeddings.patch_embeddings.{kind}"] for kind in ("weight", "bias")} | {
+        f"stem.1.{kind}": weights[f"embeddings.layernorm.{kind}"] for kind in ("weight", "bias")
+    }
+    converted |= {f"norm.{kind}": weights[f"layernorm.{kind}"] for kind in ("weight", "bias")}
+    sites: dict[str, tuple[str, ...]] = {
+        "stem.0": ("embeddings.patch_embeddings",), "stem.1": ("embeddings.layernorm",), "norm": ("layernorm",),
+    }  # fmt: skip
+    for i in range(len(widths)):
+        ours, theirs = f"stages.{i}.", f"encoder.stages.{i}."
+        if i:
+            for step in ("0", "1"):
+                sites[f"{ours}down.{step}"] = (f"{theirs}downsampling_layer.{step}",)
+                for kind in ("weight", "bias"):
+                    converted[f"{ours}down.{step}.{kind}"] = weights[f"{theirs}downsampling_layer.{step}.{kind}"]
+        for j in range(depths[i]):
+            mine, source = f"{ours}blocks.{j}.", f"{theirs}layers.{j}."
+            sites |= {f"{mine}{a}": (f"{source}{b}",) for a, b in CONVNEXT_BLOCK.items()}
+            for a, b in CONVNEXT_BLOCK.items():
+                for kind in ("weight", "bias"):
+                    if f"{source}{b}.{kind}" in weights:
+                        value = weights[f"{source}{b}.{kind}"]
+                        kernel = a.startswith("fc") and kind == "weight"  # a linear map as a 1x1 convolution
+                        converted[f"{mine}{a}.{kind}"] = value[:, :, None, None] if kernel else value
+            converted[f"{mine}gamma"] = weights[f"{source}layer_scale_parameter"][:, None, None]
+    candidate.load_state_dict(converted)
+    candidate = candidate.to(dtype)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(SEED[0] + 1))
+
+    def cast(to: torch.dtype) -> Callable[[nn.Module], Any]:
+        return lambda m: m(pixel_values=pixels.to(to))
+
+    return PairCase(
+        "convnext/channels-first", reference, candidate, cast(torch.float32), lambda m: m(pixels.to(dtype)), sites,
+        cast,
     )  # fmt: skip
 
 
@@ -1007,6 +1121,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "esm": esm_fair,
     "mixtral": mixtral_moe,
     "mamba": mamba_mambapy,
+    "convnext": convnext,
 }
 KINDS = ("scale", "offset", "noise")
 

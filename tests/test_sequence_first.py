@@ -103,7 +103,11 @@ def test_leading_dimensions_in_another_order_are_transposed_not_broadcast():
     assert transposed([2, 12, 64], [2, 12, 64]) is None  # the same shape: nothing to reorder
     assert transposed([12, 12, 64], [12, 12, 64]) is None
     assert transposed([2, 12, 12, 64], [12, 2, 12, 64]) is None  # a repeated size: which is which is unknowable
-    assert transposed([2, 12, 64], [2, 64, 12]) is None  # the features move: another computation, not a layout
+    assert transposed([2, 12, 64], [2, 64, 12]) == (0, 2, 1)  # channels second against last: a conv1d's layout
+    assert transposed([2, 7, 7, 96], [2, 96, 7, 7]) == (0, 2, 3, 1)  # NHWC against NCHW, equal spatial sizes
+    assert transposed([2, 96, 7, 7], [2, 7, 7, 96]) == (0, 3, 1, 2)
+    assert transposed([2, 5, 6, 7], [2, 7, 6, 5]) is None  # other dimensions exchanged: not a known layout
+    assert transposed([12, 64], [64, 12]) is None  # two dimensions: which is the channel is not known
     assert shapes_fit([2, 12, 64], [12, 2, 64]) and not shapes_fit([2, 12, 64], [12, 3, 64])
 
 

@@ -30,14 +30,35 @@ def transposed(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int,
     """The order of ``candidate``'s dimensions that gives ``reference``'s shape, where its leading dimensions are
     the reference's in another order and its last (the features) the same: ``[12, 2, 64]`` against ``[2, 12, 64]``
     (a sequence-first implementation: fairseq, ``nn.MultiheadAttention`` without ``batch_first``, Megatron, the
-    original CLIP). ``None`` when the shapes are equal, differ otherwise, or repeat a leading size (which of two
-    equal dimensions is which is not knowable from shapes)."""
+    original CLIP); or where one side holds its channels last and the other second (:func:`channels_moved`).
+    ``None`` when the shapes are equal, differ otherwise, or repeat a leading size (which of two equal dimensions
+    is which is not knowable from shapes)."""
     a, b = list(reference), list(candidate)
-    if len(a) != len(b) or a == b or not a or a[-1] != b[-1] or sorted(a[:-1]) != sorted(b[:-1]):
+    if len(a) != len(b) or a == b or not a:
         return None
+    if a[-1] != b[-1] or sorted(a[:-1]) != sorted(b[:-1]):
+        return channels_moved(a, b)
     if len(set(a[:-1])) != len(a) - 1:
         return None
     return (*(b.index(size) for size in a[:-1]), len(b) - 1)
+
+
+def channels_moved(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int, ...] | None:
+    """The order of ``candidate``'s dimensions that gives ``reference``'s shape where one holds its channels last
+    and the other second, every other dimension in its place: ``[2, 7, 7, 96]`` against ``[2, 96, 7, 7]`` (a
+    ConvNeXt block's channels-last norm and linear layers against a port's channels-first ones, a convolution's
+    ``[batch, channels, time]`` against ``[batch, time, channels]``). Which dimension moved is known from the
+    convention, not guessed from sizes, so spatial dimensions of one size are no ambiguity. ``None`` otherwise
+    (and for fewer than three dimensions)."""
+    a, b = list(reference), list(candidate)
+    if len(a) != len(b) or len(a) < 3 or a == b:
+        return None
+    last = len(b) - 1
+    if b == [a[0], *a[2:], a[1]]:  # the candidate holds its channels last
+        return (0, last, *range(1, last))
+    if b == [a[0], a[-1], *a[1:-1]]:  # the candidate holds them second
+        return (0, *range(2, last + 1), 1)
+    return None
 
 
 def in_layout(value: Any, shape: Sequence[int]) -> Any:
