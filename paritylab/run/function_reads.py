@@ -129,7 +129,8 @@ def _candidate_copies(reference: nn.Module, candidate: nn.Module, path: str) -> 
     except AttributeError:
         return []
     own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    own = [tensor for tensor in own if tensor.is_floating_point() and not _constant(tensor)]
+    own = [tensor for tensor in own if tensor.is_floating_point() and tensor.device.type != "meta"]
+    own = [tensor for tensor in own if not _constant(tensor)]
     theirs = [*reference.parameters(), *reference.buffers()]
     held = [*candidate.parameters(), *candidate.buffers()]
     found: list[torch.Tensor] = []
