@@ -449,6 +449,26 @@ def test_a_block_of_rows_loaded_from_the_wrong_place_keeps_its_pair_and_says_whe
     assert ledger.module_pairs == {"1": "1"}
 
 
+def test_a_1x1_kernel_with_rows_from_the_wrong_place_is_read_as_its_rows_not_as_single_elements(tmp_path):
+    """ConvNeXt's pwconv2 ported as a 1x1 convolution (``[out, in, 1, 1]``) beside depthwise kernels (``[C, 1, 7,
+    7]``), its first quarter of rows overwritten by the next: the size-1 axes are fibers of one element, and runs of
+    single values lie "near" runs of other tensors' by chance, so the kernel was found to hold a depthwise conv's
+    fibers ("scaled by 1.015"), lost its pair, and the block was named. Fibers of one element are no evidence: its
+    rows are read, as a matrix's are, and pwconv2 is named."""
+    from tests.pairs import PAIRS, planted_weight
+
+    case = PAIRS["convnext"](torch.float32)
+    with planted_weight(case.candidate, "stages.0.blocks.0.fc2", "w-rows"):
+        result = check(
+            case.reference, case.candidate, tmp_path, reference_call=case.reference_call,
+            candidate_call=case.candidate_call, echo=None, drilldown=False,
+        )  # fmt: skip
+    assert result.report.origin == "encoder.stages.0.layers.0.pwconv2", result.report.culprit_reason
+    (finding,) = result.report.alignment.weights.differing
+    assert finding.candidate.startswith("stages.0.blocks.0.fc2.weight [0:4, :, :, :]"), finding.line()
+    assert finding.detail.endswith("they hold the reference's encoder.stages.0.layers.0.pwconv2.weight rows 4-7")
+
+
 def test_one_element_of_a_transposed_table_is_located_in_the_references_layout():
     """TransformerLens' unembedding is GPT-2's embedding table transposed: one element changed there is found."""
     torch.manual_seed(0)

@@ -51,7 +51,8 @@ class View:
 
 
 def views(item: Held) -> list[View]:
-    """The fiber views a fingerprint keeps: a 2-D tensor's rows and columns, a larger one's fibers along each axis."""
+    """The fiber views a fingerprint keeps: a 2-D tensor's rows and columns, a larger one's fibers along each axis
+    longer than one (a 1x1 convolution's ``[out, in, 1, 1]`` kernel is seen as its rows and columns)."""
     param = item.print
     sums = param.sums
     if len(param.shape) == 2 and param.row_bytes:
@@ -68,6 +69,7 @@ def views(item: Held) -> list[View]:
             numpy.frombuffer(fibers.sums, dtype="<f4").astype(numpy.float64),
         )
         for fibers in param.fibers
+        if param.shape[fibers.axis] > 1  # single elements: any value lies near some other by chance
     ]
 
 
