@@ -16,6 +16,7 @@ from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.judgement import (
     DIVERGENCE_MARGIN,
     JUMP,
+    Report,
     Row,
     ancestors,
     output_at,
@@ -278,3 +279,19 @@ def received_calls(reference: Trace) -> set[int]:
         for _, node in iter_tensors(call.inputs, "inputs")
         if isinstance(node.get("from"), int)
     }
+
+
+def name_origin(report: Report, row: Row, note: str, replaced: tuple[Row | None, ...] = ()) -> None:
+    """Name ``row`` of ``report`` (a copy the caller owns) where divergence starts, for ``note``: the modules around
+    it that were origins contain it now, and they and ``replaced`` leave the report's origins."""
+    by_index = {other.index: other for other in report.rows}
+    row.diverged, row.verdict, row.cause = True, "fail", "origin"
+    row.note = f"{row.note}; {note}" if row.note else note
+    above = set(ancestors(row, by_index))
+    for index in above:
+        if by_index[index].cause == "origin":
+            by_index[index].cause = "contains-origin"
+    gone = [other for other in replaced if other is not None]
+    kept = [other for other in report.origins if other is not row and other.index not in above]
+    report.origins = [row, *(other for other in kept if all(other is not old for old in gone))]
+    report.first_divergence, report.culprit_reason = row, note

@@ -23,7 +23,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from paritylab.comparison.attribution import EXACT_LIMIT, REL_MULTIPLE
-from paritylab.comparison.judgement import Report, Row, ancestors, producer_row
+from paritylab.comparison.judgement import Report, Row, producer_row
+from paritylab.comparison.localise import name_origin
 from paritylab.comparison.metrics import min_floor
 from paritylab.comparison.op_matching import relative_distance
 from paritylab.comparison.replay import teacher_forcing
@@ -187,13 +188,5 @@ def _named_before(report: Report, reference: Trace, named: Row, function: str, e
     row.cause, row.diverged = "inherited", True
     kept = f"its input already differs: {given}{replayed}"
     row.note = kept
-    origin.diverged, origin.verdict, origin.cause = True, "fail", "origin"
-    origin.note = f"{origin.note}; {note}" if origin.note else note
-    above = set(ancestors(origin, by_index))
-    for index in above:
-        if by_index[index].cause == "origin":
-            by_index[index].cause = "contains-origin"
-    others = [other for other in report.origins if other is not row and other is not origin]
-    report.origins = [origin, *(other for other in others if other.index not in above)]
-    report.first_divergence, report.culprit_reason = origin, note
+    name_origin(report, origin, note, replaced=(row,))
     return report

@@ -19,7 +19,7 @@ from torch import nn
 from paritylab.comparison.attribution import EXACT_LIMIT, REL_MULTIPLE
 from paritylab.comparison.judgement import Report, Row, ancestors, relative_error
 from paritylab.comparison.layouts import Hypothesis, layout_hypotheses, subtree, with_layout
-from paritylab.comparison.localise import REORDERED, REORDERED_WHY
+from paritylab.comparison.localise import REORDERED, REORDERED_WHY, name_origin
 from paritylab.comparison.metrics import min_floor
 from paritylab.comparison.replay import own_errors
 from paritylab.tracing.tracefile import Trace
@@ -125,12 +125,5 @@ def _named(report: Report, module: Row, hypothesis: Hypothesis, worst: float, af
     if named is not None and named is not around and REORDERED in named.note:
         kept = [part for part in named.note.split("; ") if not part.startswith(REORDERED)]
         named.note, named.diverged, named.verdict, named.cause = "; ".join(kept), False, "pass", ""
-    child.diverged, child.verdict, child.cause = True, "fail", "origin"
-    child.note = f"{child.note}; {finding}" if child.note else finding
-    for index in ancestors(child, by_index):
-        if by_index[index].cause == "origin":
-            by_index[index].cause = "contains-origin"
-    replaced = (around, child, named)
-    report.origins = [child, *(row for row in report.origins if all(row is not other for other in replaced))]
-    report.first_divergence, report.culprit_reason = child, finding
+    name_origin(report, child, finding, replaced=(around, named))
     return report
