@@ -23,13 +23,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from paritylab.comparison.attribution import EXACT_LIMIT, REL_MULTIPLE
-from paritylab.comparison.judgement import Report, Row, producer_row
+from paritylab.comparison.judgement import Report, Row, primary_input, producer_row
 from paritylab.comparison.localise import name_origin
 from paritylab.comparison.metrics import min_floor
 from paritylab.comparison.op_matching import relative_distance
 from paritylab.comparison.replay import teacher_forcing
 from paritylab.tracing.tracefile import Trace
-from paritylab.tracing.values import iter_tensors
 
 LAYER_FUNCTIONS = frozenset(
     {
@@ -164,7 +163,7 @@ def _reference_input(trace: Trace, key: str) -> torch.Tensor | None:
         call = trace.call(key)
     except KeyError:
         return None
-    node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
+    node = primary_input(call)
     value = trace.tensor(node) if node is not None else None
     return value if value is not None and value.is_floating_point() else None
 
