@@ -810,3 +810,80 @@ def test_a_norm_held_more_often_by_the_candidate_still_has_a_twin_when_one_copy_
     (finding,) = ledger.differing
     assert finding.candidate == "ln1.weight" and finding.reference in ("ln_1.weight", "ln_f.weight")
     assert finding.detail.startswith("scaled by 1.01, rel_l2 0.01 (the reference holds these values 2 times")
+
+
+class Backbone(nn.Module):
+    """A stack of pre-norm residual blocks and its final norm, all norms untrained (transformers' ``MambaModel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(16), "mixer": nn.Linear(16, 16)}) for _ in "ab")
+        self.norm_f = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["mixer"](layer["norm"](x))
+        return self.norm_f(x)
+
+
+class WithBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = Backbone(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(16), "mixer": nn.Linear(16, 16)}) for _ in "ab")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["mixer"](layer["norm"](x))
+        return x
+
+
+class FinalNormOutside(nn.Module):
+    """The port: the final norm beside the stack, not in it (mambapy's ``LM``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mamba, self.norm_f, self.head = Blocks(), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm_f(self.mamba(x)))
+
+
+def final_norm_outside(plants: tuple[str, ...] = ()) -> tuple[WithBackbone, FinalNormOutside]:
+    torch.manual_seed(0)
+    reference, candidate = WithBackbone(), FinalNormOutside()
+    weights = {key.replace("backbone.layers", "mamba.layers").replace("backbone.", ""): value
+               for key, value in reference.state_dict().items()}  # fmt: skip
+    candidate.load_state_dict(weights)
+    with torch.no_grad():
+        for site in plants:
+            candidate.get_submodule(site).weight.mul_(1.01)
+    return reference, candidate
+
+
+@pytest.mark.parametrize("plants", [("norm_f",), ("mamba.layers.1.norm", "norm_f")], ids=["final", "two"])
+def test_a_copy_of_values_the_reference_holds_several_times_is_the_one_no_exact_copy_took(plants):
+    """The reference's three norms hold the same ones; the port's two block norms are exact copies and take the
+    blocks' copies, so the final norm x1.01 is near the reference's final norm, not the first block's (which no
+    module of the port stands for): the run named the stack around it. Two near ones each take their own copy."""
+    reference, candidate = final_norm_outside(plants)
+    ledger = weight_ledger(fingerprint(reference), fingerprint(candidate))
+    found = {finding.candidate: finding.reference for finding in ledger.differing}
+    expected = {f"{site}.weight": f"backbone.{site.removeprefix('mamba.')}.weight" for site in plants}
+    assert found == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_final_norm_among_identical_copies_held_outside_the_stack_is_named(tmp_path, dtype):
+    reference, candidate = final_norm_outside(("norm_f",))
+    report = run(reference, candidate, tmp_path, dtype).report
+    assert report.first_divergence is not None and report.first_divergence.path == "backbone.norm_f", headline(report)
+    assert "norm_f.weight differs from the reference's backbone.norm_f.weight: scaled by" in headline(report)

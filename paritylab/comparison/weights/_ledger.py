@@ -70,7 +70,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
             continue
         open_theirs.append(item)
     open_ours = [item for item in ours if (id(item) not in claimed or id(item) in shared) and item.print.sketch]
-    near = _nearest(open_ours, open_theirs)
+    near = _nearest(open_ours, open_theirs, frozenset(claimed))
     fibers: Fibers | None = None  # indexed once, where a tensor needs it
     taken = {id(match.twin) for match in near.values()}
     shifted = _nearest_shifted(

@@ -40,14 +40,25 @@ class Near:
     a defect on top."""
 
 
-def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
+def _shared_tail(one: str, other: str) -> int:
+    """How many trailing names two module paths share (``norm_f`` and ``backbone.norm_f``: 1)."""
+    count = 0
+    for mine, theirs in zip(reversed(one.split(".")), reversed(other.split(".")), strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
+def _nearest(ours: list[Held], theirs: list[Held], claimed: frozenset[int] = frozenset()) -> dict[int, Near]:
     """Candidate tensor id -> the reference tensor it is nearest (:class:`Near`), for the candidate tensors that lie
     near one reference tensor and clearly nearer it than any other; each reference tensor taken once, nearest
-    first."""
+    first. Where the reference holds the nearest values several times (untrained norms), the copy taken is one no
+    exact copy ``claimed`` (by id) if any, then the one whose module's path ends as the candidate's does."""
     by_shape: dict[tuple[int, ...], list[Held]] = {}
     for item in ours:
         by_shape.setdefault(item.print.shape, []).append(item)
-    proposals: list[tuple[float, int, Near, Held]] = []
+    proposals: list[tuple[float, int, list[Near], Held]] = []
     prepared: dict[int, _Lines] = {}  # by id, or -1 - id for a candidate tensor's transpose
 
     def lines(item: Held, flipped: bool = False) -> _Lines:
@@ -89,11 +100,18 @@ def _nearest(ours: list[Held], theirs: list[Held]) -> dict[int, Near]:
             and _only(item, theirs)
         )
         if (best.distance < NEAR or (namesake and best.distance < NEAR_NAMESAKE)) and best.distance <= UNIQUE * second:
-            proposals.append((best.distance, order, best, item))
+            copies = [
+                entry for entry in scored
+                if entry.twin.print.digest == best.twin.print.digest and entry.flipped == best.flipped
+                and entry.distance == best.distance
+            ]  # fmt: skip
+            copies.sort(key=lambda entry: (id(entry.twin) in claimed, -_shared_tail(entry.twin.module, item.module)))
+            proposals.append((best.distance, order, copies, item))
     taken: set[int] = set()
     found: dict[int, Near] = {}
-    for _, _, near, item in sorted(proposals, key=lambda entry: entry[:2]):
-        if id(near.twin) not in taken:
+    for _, _, copies, item in sorted(proposals, key=lambda entry: entry[:2]):
+        near = next((entry for entry in copies if id(entry.twin) not in taken), None)
+        if near is not None:
             taken.add(id(near.twin))
             found[id(item)] = near
     return found
