@@ -24,6 +24,8 @@ import numpy
 import torch
 from torch import nn
 
+from paritylab.tracing.sinusoids import sinusoid_frequencies
+
 MASK = (1 << 64) - 1
 MAX_AXIS = 1 << 16
 """Row/column hashes are kept for 2-D parameters with at most this many rows and columns."""
@@ -85,6 +87,15 @@ class ParamPrint:
     sums of another draw. Empty where either axis is longer than :data:`MAX_AXIS`."""
     fibers: tuple[Fibers, ...] = ()
     """For a tensor of three or more dimensions: its fibers along each axis that has at most :data:`MAX_FIBERS`."""
+    frequencies: bytes = b""
+    """For a float32/64 sinusoid table (rotary ``sin | cos``, sinusoidal positions): the distinct angular frequencies
+    its columns are built from, float64 (:func:`~paritylab.tracing.sinusoids.sinusoid_frequencies`); a port's table
+    built another way is checked against them."""
+
+    @property
+    def angular(self) -> numpy.ndarray | None:
+        """:attr:`frequencies` as float64 values (falling), or ``None``."""
+        return numpy.frombuffer(self.frequencies, dtype="<f8") if self.frequencies else None
 
     @property
     def sums(self) -> tuple[numpy.ndarray, numpy.ndarray, float] | None:
@@ -114,6 +125,8 @@ class ParamPrint:
             data["sketch"] = base64.b64encode(self.sketch).decode("ascii")
         if self.fibers:
             data["fibers"] = [fibers.to_json() for fibers in self.fibers]
+        if self.frequencies:
+            data["frequencies"] = base64.b64encode(self.frequencies).decode("ascii")
         return data
 
     @classmethod
@@ -127,7 +140,12 @@ class ParamPrint:
         if sketch and len(sketch) != 4 * (_sketch_length(shape) or -1):
             raise ValueError(f"the value sketch of {data.get('name')!r} does not fit its shape {shape}")
         fibers = tuple(Fibers.from_json(entry, shape) for entry in data.get("fibers", ()))
-        return cls(str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted, sketch, fibers)
+        frequencies = base64.b64decode(data.get("frequencies", ""), validate=True)
+        if frequencies and (len(shape) != 2 or len(frequencies) % 8 or len(frequencies) > 8 * shape[1]):
+            raise ValueError(f"the table frequencies of {data.get('name')!r} do not fit its shape {shape}")
+        return cls(
+            str(data["name"]), shape, int(data["digest"]) & MASK, rows, cols, shifted, sketch, fibers, frequencies
+        )
 
 
 def _sketch_length(shape: tuple[int, ...]) -> int | None:
@@ -296,7 +314,8 @@ def _param_print(name: str, param: torch.Tensor, grid: str = "bf16") -> ParamPri
             minus_one = minus_one.to(values.dtype)
         shifted = int(element_hashes(minus_one).sum(dtype=torch.int64)) & MASK
     sketch = b"" if param.is_complex() else sketch_of(wide)
-    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted, sketch, fibers)
+    frequencies = sinusoid_frequencies(wide) if values.dim() == 2 else b""
+    made = ParamPrint(name, tuple(param.shape), digest, rows, cols, shifted, sketch, fibers, frequencies)
     if version != -1:
         key = (id(param), grid)
         _cache[key] = (weakref.ref(param, lambda _: _cache.pop(key, None)), version, pointer, made)

@@ -23,7 +23,16 @@ from paritylab.comparison.weights._records import (
     held,
 )
 from paritylab.comparison.weights._stretches import _by_stretches
-from paritylab.comparison.weights._tables import EXACT, _derived, _derived_detail, _rebased
+from paritylab.comparison.weights._tables import (
+    EXACT,
+    _derived,
+    _derived_detail,
+    _from_table,
+    _from_table_detail,
+    _rebased,
+    frequency_tables,
+    source,
+)
 from paritylab.tracing.structure import MASK, ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import display_path
 
@@ -72,6 +81,7 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
     open_ours = [item for item in ours if (id(item) not in claimed or id(item) in shared) and item.print.sketch]
     near = _nearest(open_ours, open_theirs, frozenset(claimed))
     fibers: Fibers | None = None  # indexed once, where a tensor needs it
+    tables = frequency_tables(ours)
     taken = {id(match.twin) for match in near.values()}
     shifted = _nearest_shifted(
         [item for item in open_ours if id(item) not in taken], [item for item in open_theirs if id(item) not in near]
@@ -97,25 +107,11 @@ def weight_ledger(reference: Mapping[str, ModulePrint], candidate: Mapping[str, 
                     ledger.matched += exact
                     ledger.findings += found
                     continue
-            derived = _derived(item, ours) if blocks is None else None
-            if derived is not None:  # a rotary table built from the reference's frequencies
-                twin, function, distance, expected, row_sums = derived
-                if distance <= EXACT:
-                    ledger.matched += 1
-                else:
-                    detail = _derived_detail(function, twin, expected, row_sums, distance)
-                    ledger.findings.append(_finding(twin, item, "differs", detail, distance))
-                continue
-            rebased = _rebased(item, ours) if blocks is None else None
-            if rebased is not None:  # a rotary table built from another base than the reference's frequencies
-                twin, function, base, built, distance = rebased
-                detail = (
-                    f"as {function}(position x {twin.print.name}), from row sums: built with base {built:.6g}, the "
-                    f"reference's frequencies have base {base:.6g}; rel_l2 ~{distance:.3g}"
-                )
-                ledger.findings.append(
-                    dataclasses.replace(_finding(twin, item, "differs", detail, distance), certain=True)
-                )
+            clean = blocks is not None and not blocks.findings and not blocks.unmatched
+            table = None if clean else _as_table(item, ours, tables)
+            if table is not None and (not table or blocks is None or blocks.unmatched):
+                ledger.matched += not table  # built from the reference's frequencies: exactly, else what differs
+                ledger.findings += table  # (a block reading that explains every column says more where it differs)
                 continue
             if blocks is None:
                 ledger.unmatched.append(item.name)
@@ -193,6 +189,36 @@ def _turned_order(ours: ParamPrint, theirs: ParamPrint) -> tuple[int, ...] | Non
     if len(numpy.unique(columns)) != len(columns):
         return None
     return line_order(columns, numpy.frombuffer(theirs.row_bytes, dtype="<u8"))
+
+
+def _as_table(item: Held, ours: list[Held], tables: list[Held]) -> list[WeightFinding] | None:
+    """A candidate tensor read as frequencies or a sinusoid table the reference's frequencies (its ``inv_freq``, or
+    ``tables``: those its own tables are built from) make: no finding where it is that within rounding, one saying
+    what differs where it is near (certain where it was built with another base); ``None`` where it is neither."""
+    read = _from_table(item, tables)
+    if read is not None:  # frequencies (inv_freq) against those a reference table is built from
+        table, distance = read
+        if distance <= EXACT:
+            return []
+        detail, distance = _from_table_detail(item, table)
+        return [_finding(table, item, "differs", detail, distance)]
+    derived = _derived(item, [*ours, *tables])
+    if derived is not None:  # a rotary table built from the reference's frequencies
+        twin, function, distance, expected, row_sums = derived
+        if distance <= EXACT:
+            return []
+        return [
+            _finding(twin, item, "differs", _derived_detail(function, twin, expected, row_sums, distance), distance)
+        ]
+    rebased = _rebased(item, [*ours, *tables])
+    if rebased is None:
+        return None
+    twin, function, base, built, distance = rebased
+    detail = (
+        f"as {function}(position x {source(twin)}), from row sums: built with base {built:.6g}, the reference's "
+        f"frequencies have base {base:.6g}; rel_l2 ~{distance:.3g}"
+    )
+    return [dataclasses.replace(_finding(twin, item, "differs", detail, distance), certain=True)]
 
 
 def _finding(ours: Held, theirs: Held, kind: str, detail: str, rel_l2: float | None = None) -> WeightFinding:

@@ -1,5 +1,6 @@
 """Tables one side computes from the other's: a rotary ``sin``/``cos`` table (TransformerLens' ``rotary_sin``, vLLM's
-``cos_sin_cache``) against the frequencies it is built from (transformers' ``inv_freq``).
+``cos_sin_cache``) against the frequencies it is built from (transformers' ``inv_freq``, or those read from a table
+the reference holds itself: GPT-J's ``sin | cos`` ``embed_positions``, :func:`frequency_tables`).
 
 No tensor of the reference holds such a table's values, so neither fingerprints nor sketches pair it; but its row
 sums follow from the frequencies alone: row ``p`` of a sine table sums ``sin(p * f_j)`` over its columns (each
@@ -14,8 +15,9 @@ import math
 
 import numpy
 
-from paritylab.comparison.weights._describe import _scale
+from paritylab.comparison.weights._describe import _scale, _values_differ
 from paritylab.comparison.weights._records import NEAR, ROUNDING, UNIQUE, Held
+from paritylab.tracing.structure import ParamPrint
 
 EXACT = ROUNDING / 2
 """Row sums this near (relative) are the same table up to a low-precision copy's rounding (a bfloat16 table of
@@ -64,10 +66,59 @@ def _derived(item: Held, ours: list[Held]) -> tuple[Held, str, float, numpy.ndar
     return other, name, best, expected, rows
 
 
+def frequency_tables(ours: list[Held]) -> list[Held]:
+    """The frequencies each reference sinusoid table is built from (its fingerprint's
+    :attr:`~paritylab.tracing.structure.ParamPrint.frequencies`), each held as a 1-D tensor of the table's name and
+    module: what a port's table in another layout, or its ``inv_freq``, is checked against."""
+    found = []
+    for item in ours:
+        values = item.print.angular
+        if values is None or len(values) < 2:
+            continue
+        sketch = numpy.append(values, numpy.linalg.norm(values)).astype("<f4").tobytes()
+        read = ParamPrint(item.print.name, (len(values),), 0, sketch=sketch, frequencies=item.print.frequencies)
+        found.append(Held(item.module, read))
+    return found
+
+
+def source(twin: Held) -> str:
+    """How a detail names the frequencies ``twin`` holds: its name, or those read from a table."""
+    return f"the frequencies of {twin.print.name}" if twin.print.frequencies else twin.print.name
+
+
+def _from_table(item: Held, tables: list[Held]) -> tuple[Held, float] | None:
+    """The reference table whose frequencies a candidate's 1-D frequencies (``inv_freq``) lie nearest, and the
+    relative distance; ``None`` where none lies within :data:`NEAR` and clearly nearer than any other."""
+    sums = item.print.sums
+    if sums is None or len(item.print.shape) != 1 or len(sums[0]) < 2:
+        return None
+    if not bool(numpy.all(sums[0] > 0) and numpy.all(numpy.diff(sums[0]) < 0)):  # frequencies, whatever their scale
+        return None
+    scored = []
+    for table in tables:
+        values = table.print.sums
+        if values is not None and table.print.shape == item.print.shape:
+            scored.append((float(numpy.linalg.norm(sums[0] - values[0]) / numpy.linalg.norm(values[0])), table))
+    scored.sort(key=lambda entry: entry[0])
+    if not scored or scored[0][0] >= NEAR:
+        return None
+    best, table = scored[0]
+    second = next((entry[0] for entry in scored[1:] if entry[1].print.frequencies != table.print.frequencies), math.inf)
+    return (table, best) if best <= UNIQUE * second else None
+
+
+def _from_table_detail(item: Held, table: Held) -> tuple[str, float]:
+    """What differs between a candidate's frequencies and those a reference table is built from."""
+    theirs, ours = item.print.sums, table.print.sums
+    assert theirs is not None and ours is not None
+    text, distance = _values_differ(ours[0], theirs[0])
+    return f"as {source(table)}: {text}, rel_l2 {distance:.3g}", distance
+
+
 def _derived_detail(name: str, twin: Held, expected: numpy.ndarray, rows: numpy.ndarray, distance: float) -> str:
     """What differs between a derived table and the one its reference frequencies make."""
     scale = _scale(expected, rows)
-    what = f"as {name}(position x {twin.print.name}), from row sums"
+    what = f"as {name}(position x {source(twin)}), from row sums"
     if scale is not None:
         return f"{what}: scaled by {scale:.4g}, rel_l2 {abs(scale - 1):.3g}"
     return f"{what}: rel_l2 ~{distance:.3g}"
