@@ -15,7 +15,7 @@ from paritylab.comparison.alignment._rules import Rule, _by_rule
 from paritylab.comparison.alignment._runs import _by_runs
 from paritylab.comparison.alignment._sequence import _align_segments, _monotone_chain
 from paritylab.comparison.alignment._shapes import _primary_input, _shape
-from paritylab.comparison.alignment._weight_reads import _read_prints
+from paritylab.comparison.alignment._weight_reads import _read_prints, held_elsewhere
 from paritylab.comparison.weights import WeightLedger, as_twins, weight_ledger
 from paritylab.tracing.structure import ModulePrint
 from paritylab.tracing.tracefile import CallRecord, Trace
@@ -122,6 +122,7 @@ class _Pairing:
         ref_prints, cand_prints = _read_prints(reference, candidate)
         ledger = weight_ledger(ref_prints, cand_prints) if ref_prints and cand_prints else WeightLedger()
         cand_prints = as_twins(cand_prints, ref_prints, ledger)  # near copies count as their twins for pairing
+        ref_prints, cand_prints = held_elsewhere(ref_prints, cand_prints)  # T5's position bias at the stack
         return cls(
             ref_calls,
             cand_calls,

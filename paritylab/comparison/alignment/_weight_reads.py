@@ -3,6 +3,7 @@ called)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -72,3 +73,44 @@ def _read_by_evidence(
                 read.add(path)
                 break
     return read
+
+
+def held_elsewhere(
+    reference: Mapping[str, ModulePrint], candidate: Mapping[str, ModulePrint]
+) -> tuple[dict[str, ModulePrint], dict[str, ModulePrint]]:
+    """Each side's fingerprints with a module whose weights the other side holds elsewhere taken out of its
+    ancestors' (:func:`_moved_out`), so those ancestors pair with the other side's modules by what remains."""
+    return _moved_out(reference, candidate), _moved_out(candidate, reference)
+
+
+def _moved_out(side: Mapping[str, ModulePrint], other: Mapping[str, ModulePrint]) -> dict[str, ModulePrint]:
+    """``side``'s fingerprints with each module whose weights the other side holds in a module of its own but
+    elsewhere taken out of the ancestors that hold it and have no counterpart.
+
+    T5's first attention computes the position bias every layer receives and holds its table; a port holding the
+    table at the stack has an attention with all of the reference attention's weights but that one, and blocks
+    alike: none of them paired. A module ``X`` (its weights and size those of a module on the other side) is taken
+    out of its ancestors up to the first that pairs as it is, where taking it out makes one of them pair."""
+    keys = {(item.digest, item.numel) for item in other.values() if item.numel}
+    result = dict(side)
+    for path, item in side.items():
+        if not path or not item.params or not item.numel or (item.digest, item.numel) not in keys:
+            continue
+        above: list[str] = []
+        evidence = False
+        for ancestor in module_ancestors(path):
+            held = side.get(ancestor)
+            if held is None or (held.digest, held.numel) in keys:
+                break
+            above.append(ancestor)
+            evidence |= ((held.digest - item.digest) & MASK, held.numel - item.numel) in keys
+        else:
+            continue  # no ancestor pairs as it is: nothing says the other side holds it elsewhere in the same whole
+        if not evidence:
+            continue
+        for ancestor in above:
+            held = result[ancestor]
+            result[ancestor] = dataclasses.replace(
+                held, digest=(held.digest - item.digest) & MASK, numel=held.numel - item.numel
+            )
+    return result
