@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from paritylab.comparison.alignment._weight_reads import _read_prints, held_elsewhere
 from paritylab.reports.render import headline
-from paritylab.run.parity import check
+from paritylab.run.parity import check, trace_model
 
 D, H, B = 16, 2, 8
 """Width, heads, relative position buckets."""
@@ -171,3 +172,60 @@ def test_a_bug_around_a_table_held_elsewhere_is_named_where_it_is(tmp_path, dtyp
         candidate.layers[1].attention.register_forward_hook(lambda _m, _a, out: out * 1.01)
     report = run(reference, candidate, tmp_path, dtype)
     assert report.verdict == "fail" and report.origin == origin, headline(report)
+
+
+class PostNorm(nn.Module):
+    """BERT's attention output: a projection, the residual and a norm in one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.norm = nn.Linear(D, D), nn.LayerNorm(D)
+
+    def forward(self, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.dense(hidden) + x)
+
+
+class PostNormAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self, self.output = nn.Linear(D, D), PostNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x), x)
+
+
+class NormOutside(nn.Module):
+    """A port applying that norm in the block: its attention holds all the reference attention's weights but the
+    norm, which it holds elsewhere, and returns another value (before the residual and the norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D))
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.attn(x) + x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_module_taking_values_held_elsewhere_is_never_taken_out(tmp_path, dtype):
+    """Only a table looked up by positions moves: a norm computes on the value the module around it returns, so
+    pairing that module by what remains would compare values taken before and after the norm (a false alarm)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(PostNormAttention(), nn.Linear(D, 4))
+    candidate = NormOutside()
+    with torch.no_grad():
+        reference[0].output.norm.weight.normal_(1, 0.1)
+        candidate.attn[0].load_state_dict(reference[0].self.state_dict())
+        candidate.attn[1].load_state_dict(reference[0].output.dense.state_dict())
+        candidate.ln.load_state_dict(reference[0].output.norm.state_dict())
+        candidate.head.load_state_dict(reference[1].state_dict())
+    report = run(reference, candidate, tmp_path / "run", dtype)
+    assert report.verdict == "pass", headline(report)
+    x = torch.randn(6, D)
+    traces = [
+        trace_model(model, lambda m: m(x.to(next(m.parameters()).dtype)), tmp_path / name)
+        for model, name in ((reference, "r"), (candidate, "c"))
+    ]
+    prints = _read_prints(*traces)
+    assert held_elsewhere(*traces, *prints) == prints  # nothing taken out

@@ -122,7 +122,7 @@ class _Pairing:
         ref_prints, cand_prints = _read_prints(reference, candidate)
         ledger = weight_ledger(ref_prints, cand_prints) if ref_prints and cand_prints else WeightLedger()
         cand_prints = as_twins(cand_prints, ref_prints, ledger)  # near copies count as their twins for pairing
-        ref_prints, cand_prints = held_elsewhere(ref_prints, cand_prints)  # T5's position bias at the stack
+        ref_prints, cand_prints = held_elsewhere(reference, candidate, ref_prints, cand_prints)  # T5's bias table
         return cls(
             ref_calls,
             cand_calls,

@@ -76,25 +76,50 @@ def _read_by_evidence(
 
 
 def held_elsewhere(
-    reference: Mapping[str, ModulePrint], candidate: Mapping[str, ModulePrint]
+    reference: Trace,
+    candidate: Trace,
+    ref_prints: Mapping[str, ModulePrint],
+    cand_prints: Mapping[str, ModulePrint],
 ) -> tuple[dict[str, ModulePrint], dict[str, ModulePrint]]:
-    """Each side's fingerprints with a module whose weights the other side holds elsewhere taken out of its
-    ancestors' (:func:`_moved_out`), so those ancestors pair with the other side's modules by what remains."""
-    return _moved_out(reference, candidate), _moved_out(candidate, reference)
+    """Each side's fingerprints with a lookup table the other side holds elsewhere taken out of its ancestors'
+    (:func:`_moved_out`), so those ancestors pair with the other side's modules by what remains."""
+    ref_lookups, cand_lookups = _lookups(reference), _lookups(candidate)
+    return (
+        _moved_out(ref_prints, cand_prints, ref_lookups & set(ref_prints), cand_lookups),
+        _moved_out(cand_prints, ref_prints, cand_lookups & set(cand_prints), ref_lookups),
+    )
 
 
-def _moved_out(side: Mapping[str, ModulePrint], other: Mapping[str, ModulePrint]) -> dict[str, ModulePrint]:
-    """``side``'s fingerprints with each module whose weights the other side holds in a module of its own but
-    elsewhere taken out of the ancestors that hold it and have no counterpart.
+def _lookups(trace: Trace) -> set[str]:
+    """Modules every call of which takes no floating-point tensor: tables looked up by indices or positions (an
+    embedding of relative position buckets), whose output depends on no value the model computes."""
+    found: dict[str, bool] = {}
+    for call in trace.calls:
+        floating = any(
+            str(node.get("dtype", "")).startswith(("float", "bfloat", "complex")) for _, node in call.tensors("inputs")
+        )
+        found[call.path] = found.get(call.path, True) and not floating
+    return {path for path, lookup in found.items() if lookup}
 
-    T5's first attention computes the position bias every layer receives and holds its table; a port holding the
-    table at the stack has an attention with all of the reference attention's weights but that one, and blocks
-    alike: none of them paired. A module ``X`` (its weights and size those of a module on the other side) is taken
+
+def _moved_out(
+    side: Mapping[str, ModulePrint], other: Mapping[str, ModulePrint], lookups: set[str], other_lookups: set[str]
+) -> dict[str, ModulePrint]:
+    """``side``'s fingerprints with each lookup table (in ``lookups``) that the other side holds in a lookup of its
+    own but elsewhere taken out of the ancestors that hold it and have no counterpart.
+
+    T5's first attention computes the position bias every layer receives from a table of relative position buckets;
+    a port holding the table at the stack passes the bias in, and its first attention has all of the reference
+    attention's weights but the table (blocks alike): none of them paired. A table's output depends on positions
+    alone, so computing it elsewhere and passing it in changes nothing the module around it returns; a module taking
+    values (a norm, a projection) is never moved: the module around it returns what it computes. The table is taken
     out of its ancestors up to the first that pairs as it is, where taking it out makes one of them pair."""
     keys = {(item.digest, item.numel) for item in other.values() if item.numel}
+    tables = {(item.digest, item.numel) for path, item in other.items() if path in other_lookups and item.numel}
     result = dict(side)
-    for path, item in side.items():
-        if not path or not item.params or not item.numel or (item.digest, item.numel) not in keys:
+    for path in lookups:
+        item = side[path]
+        if not path or not item.params or not item.numel or (item.digest, item.numel) not in tables:
             continue
         above: list[str] = []
         evidence = False
