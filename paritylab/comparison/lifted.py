@@ -57,7 +57,7 @@ from paritylab.comparison.twins import (
 from paritylab.comparison.verify import CHANGED_AFTER, charge_hand_ons
 from paritylab.tracing.structure import MASK, ModulePrint, fingerprint, rows_of
 from paritylab.tracing.tracefile import CallRecord, Trace
-from paritylab.tracing.values import iter_tensors
+from paritylab.tracing.values import floating, iter_tensors
 
 LIFTED_CHANGE = "lifted_changed_after_rel_l2"
 """A lifted row's metric: how much the candidate changes its value after it in float32, beyond float32's rounding
@@ -219,7 +219,7 @@ class LiftedReplay:
 
     def _floating_input(self, row: Row) -> bool:
         node = next((node for _, node in iter_tensors(self.reference.calls[row.input_call].inputs, "inputs")), None)
-        return node is not None and str(node.get("dtype", "")).startswith(("float", "bfloat"))
+        return node is not None and floating(node)
 
     def _rounds(self, row: Row) -> bool:
         """The candidate module's float32 output lies on the low-precision grid: its code casts to that

@@ -30,7 +30,7 @@ from paritylab.comparison.alignment import (
 )
 from paritylab.tracing.tracefile import CallRecord, Trace
 from paritylab.tracing.tracer import TraceOptions, trace_run
-from paritylab.tracing.values import first_tensor_slot, iter_tensors
+from paritylab.tracing.values import first_tensor_slot, floating, iter_tensors
 
 
 @dataclasses.dataclass
@@ -352,7 +352,7 @@ def _other_outputs(reference: Trace, candidate: Trace, pair: Pair, primary: str)
         other = theirs.get(slot)
         if slot == primary or other is None or other.get("shape") != node.get("shape"):
             continue
-        if not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+        if not floating(node):
             continue
         value = reference.tensor(node)
         if value is not None:

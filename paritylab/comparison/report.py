@@ -64,7 +64,7 @@ from paritylab.comparison.outputs import NOT_COMPARED, check_outputs, named_slot
 from paritylab.comparison.verify import verify_pairs
 from paritylab.tracing.structure import module_ancestors
 from paritylab.tracing.tracefile import CallRecord, Trace
-from paritylab.tracing.values import Node, first_tensor_slot, iter_tensors
+from paritylab.tracing.values import Node, first_tensor_slot, floating, iter_tensors
 
 
 def compare_traces(
@@ -367,7 +367,7 @@ def _compare_pair(
     if ref_input_call is not ref_call:  # paired with the last of a run of modules: the run's first's input
         row.input_index = ref_input_call.index
     ref_in, cand_in = primary_input(ref_input_call), primary_input(cand_input_call)
-    if ref_in is not None and cand_in is not None and _floating(ref_in) != _floating(cand_in):
+    if ref_in is not None and cand_in is not None and floating(ref_in) != floating(cand_in):
         ref_in = cand_in = None  # token ids against a float mask: another input, not another value of one
     if ref_in is not None and cand_in is not None and row.tolerance is not None:
         _, row.input_verdict, row.input_metrics, _ = _judge_once(
@@ -418,7 +418,7 @@ def _inputs_by_dataflow(
     def by_producer(call: CallRecord) -> dict[int, list[Node]]:
         made: dict[int, list[Node]] = {}
         for _, node in iter_tensors(call.inputs, "inputs"):
-            if isinstance(node.get("from"), int) and str(node.get("dtype", "")).startswith(("float", "bfloat")):
+            if isinstance(node.get("from"), int) and floating(node):
                 made.setdefault(node["from"], []).append(node)
         return made
 
@@ -602,11 +602,6 @@ def slot_value(trace: Trace, key: str, slot: str | None, part: Part | None = Non
     node = output_at(call, slot)
     value = trace.tensor(node) if node is not None else None
     return _cut(value, part) if value is not None else None
-
-
-def _floating(node: Node) -> bool:
-    """Whether a tensor node holds floating-point values (else integers or booleans)."""
-    return str(node.get("dtype", "")).startswith(("float", "bfloat"))
 
 
 def _sliced_shape(shape: list[int], cut: Part | None) -> list[int]:

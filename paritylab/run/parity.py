@@ -36,7 +36,7 @@ from paritylab.run.whole_graph import check_whole_graph, not_checked
 from paritylab.run.widening import cast_in_place, widened_in_place
 from paritylab.tracing.tracefile import Trace
 from paritylab.tracing.tracer import TraceOptions, is_compiled, trace_run
-from paritylab.tracing.values import iter_tensors
+from paritylab.tracing.values import floating, iter_tensors
 
 Call = Callable[[nn.Module], Any]
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -296,7 +296,7 @@ def _outputs_saved(trace: Trace) -> bool:
     """Every call's first floating-point output has its value in ``trace`` (not only statistics)."""
     for call in trace.calls:
         for _, node in iter_tensors(call.outputs, "outputs"):
-            if str(node.get("dtype", "")).startswith(("float", "bfloat")):
+            if floating(node):
                 if node.get("ref") is None or node["ref"] not in trace.files:
                     return False
                 break

@@ -114,6 +114,11 @@ def map_tensors(value: Any, convert: Callable[[torch.Tensor, str], torch.Tensor]
     return value
 
 
+def floating(node: Node) -> bool:
+    """Whether a tensor node holds real floating-point values (else integers, booleans or complex numbers)."""
+    return str(node.get("dtype", "")).startswith(("float", "bfloat"))
+
+
 def iter_tensors(node: Node | None, prefix: str) -> Iterator[tuple[str, Node]]:
     """Yield ``(slot, tensor_node)`` for every tensor leaf below ``node``, depth first."""
     if node is None:
