@@ -35,7 +35,7 @@ from paritylab.comparison.report import charge_quiet_weights, compare_traces, sl
 from paritylab.comparison.verify import CHANGED_AFTER
 from paritylab.comparison.wiring import crossed, misordered_parts
 from paritylab.tracing.tracefile import CallRecord, Trace
-from paritylab.tracing.values import iter_tensors
+from paritylab.tracing.values import floating, iter_tensors
 
 
 def attach_replay(
@@ -146,7 +146,7 @@ def attach_replay(
             if why is not None:  # its code, not the precision: the same weights in float32 disagree
                 diverged, reason, lifted_found = True, why, True
             elif parent is not None and lifted.gave_another_input(lifted_row, lifted_rows.get(parent.reference.key)):
-                sibling = reordered_sibling(row, report.rows, reordered)
+                sibling = reordered_sibling(row, report.rows, reordered, reference)
                 if sibling is not None:  # what the parent's code gave it came from a reordered child, in its order
                     note = f"{REORDERED}, and {parent.path or '<root>'}'s own code hands {row.path} a value that "
                     fed_wrong.setdefault(sibling.index, (sibling, note + f"diverges: {REORDERED_WHY}"))
@@ -165,6 +165,11 @@ def attach_replay(
                         note = f"no counterpart, and what it gives {row.path} differs while its own input agrees, "
                         note += f"with the same {lifted.dtype} weights computed in float32 (lifted replay)"
                         fed_wrong.setdefault(maker.index, (maker, note))
+                    elif (source := unmatched_feeding(row, by_index, reference, received)) is not None:
+                        note = f"no counterpart; only {parent.path or '<root>'}'s own code uses its output, and the "
+                        note += f"value it gives {row.path} differs with the same {lifted.dtype} weights computed in "
+                        note += "float32 (lifted replay; the error is in this module or in that code)"
+                        fed_wrong.setdefault(source.index, (source, note))  # as the free run and isolated replay say
                     else:
                         note = f"its own code between its children gives {row.path or '<root>'} a value the "
                         note += f"reference does not, with the same {lifted.dtype} weights computed in float32 "
@@ -348,7 +353,7 @@ def _fed_wrong(
     node = next((node for _, node in iter_tensors(call.inputs, "inputs")), None)
     if not local.input_metrics or node is None:
         return False
-    if not str(node.get("dtype", "")).startswith(("float", "bfloat")):
+    if not floating(node):
         other = next((n for _, n in iter_tensors(replayed.inputs, "inputs")), None) if replayed else None
         return local.input_diverged and any(n is not None and n.get("changed") for n in (node, other))
     if floor is None:
@@ -388,7 +393,7 @@ def _unreplaced_source(
             return upstream, f"{REORDERED}, and {where} is handed them in that order: {REORDERED_WHY}"
         note = f"no counterpart, and its output reaches {where} changed while everything paired before it agrees"
         return producer, note + " (isolated replay)"
-    sibling = reordered_sibling(row, list(by_index.values()), reordered)
+    sibling = reordered_sibling(row, list(by_index.values()), reordered, reference)
     if sibling is not None:  # the parent's code read a reordered child's output in its own order
         parent_row = by_index.get(row.parent) if row.parent is not None else None
         parent_path = parent_row.path if parent_row is not None else ""
@@ -504,8 +509,7 @@ def order_floor(call: CallRecord) -> float:
     recorded."""
     length = 1
     for _, node in iter_tensors(call.inputs, "inputs"):
-        floating = str(node.get("dtype", "")).startswith(("float", "bfloat"))  # as _input_diverged reads it
-        if floating and len(node.get("shape") or ()) > 1:
+        if floating(node) and len(node.get("shape") or ()) > 1:
             length = max(length, *node["shape"][1:])
     return FLOAT32_UNIT * math.sqrt(length)
 

@@ -143,7 +143,8 @@ def drill_down(
         and all(_same_call(candidate, anchor, op, equals) for op in counterparts)
     )
     operations, distance = _stretch(reference, candidate, value, counterparts, layout_free, direct)
-    message = _describe(candidate, value, operations, counterparts, distance)
+    indices = _other_indices(reference, candidate, anchor, counterparts) if anchor is not None else None
+    message = _describe(candidate, value, operations, counterparts, distance, indices)
     return Drilldown(reference.key, candidate.key, tolerance, value, operations, counterparts, distance, message,
                      len(reference.ops), len(candidate.ops), notes)  # fmt: skip
 
@@ -302,8 +303,33 @@ def _ancestors(recording: Recording, end: int) -> set[int]:
     return reached
 
 
+def _other_indices(reference: Recording, candidate: Recording, anchor: Op, counterparts: list[Op]) -> str | None:
+    """Where the candidate's operation reads integers (indices, positions, buckets) other than its counterpart's
+    (the same operation, the same place among its inputs and shape): which input, and how many of its elements
+    differ; integer values are never matched, so without this an embedding given other indices looks as if its
+    own arithmetic differed."""
+    for op in counterparts:
+        if op.name != anchor.name or len(op.inputs) != len(anchor.inputs):
+            continue
+        for ours, theirs in zip(anchor.inputs, op.inputs, strict=True):
+            mine, other = candidate.tensors[ours], reference.tensors[theirs]
+            if not _integral(candidate.values[ours]) or mine is None or other is None or mine.shape != other.shape:
+                continue
+            differing = int((mine != other).sum())
+            if differing:
+                shown = candidate.values[ours]
+                what = "its input" if shown.origin.startswith("input ") else shown.origin
+                return f"{differing} of the {mine.numel()} integers of {what} {shown.shape} differ"
+    return None
+
+
 def _describe(
-    candidate: Recording, value: Value, operations: list[Op], counterparts: list[Op], distance: float | None
+    candidate: Recording,
+    value: Value,
+    operations: list[Op],
+    counterparts: list[Op],
+    distance: float | None,
+    indices: str | None = None,
 ) -> str:
     off = f"{distance:.3g}" if distance is not None and math.isfinite(distance) else "no value of its size"
     theirs = "; ".join(op.arguments + (f" in {op.within}" if op.within else "") for op in counterparts)
@@ -319,6 +345,8 @@ def _describe(
         text = f"{value.origin} {value.shape}{where} matches no reference value: "
     else:
         text = f"the floating-point inputs agree{where}, then "
+        if indices is not None:  # the integers it reads are not the reference's: what computed them differs
+            text = f"the floating-point inputs agree{where} but {indices} from the reference's, so "
     if len(operations) == 1:
         text += f"{first.arguments} differs from the reference's result by {off}"
     else:

@@ -110,7 +110,7 @@ def localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set[
         if not (row.diverged and row.input_known and row.input_diverged):
             continue
         around = set(ancestors(row, by_index))
-        sibling = reordered_sibling(row, rows, reordered)
+        sibling = reordered_sibling(row, rows, reordered, reference)
         if sibling is not None and not any(s.index < sibling.index and s.index not in around for s in starts):
             # its output, read in its own order by the parent's code, reached ``row``: the parent was no start
             starts[:] = [s for s in starts if s.index not in around]
@@ -230,17 +230,28 @@ def _inside_through_unpaired(row: Row, rows: list[Row]) -> list[Row]:
     return found
 
 
-def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
+def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set[int], reference: Trace) -> Row | None:
     """The one module before ``row`` in the same parent whose output agrees only reordered (``reordered``), when every
     other module before it there agrees: what the parent's code made of that output is what ``row`` was given. None
-    where two are reordered (q and k for rotary on interleaved pairs: a layout the code reads so) or another differs."""
+    where two are reordered (q and k for rotary on interleaved pairs: a layout the code reads so) or another differs.
+    A sibling with no counterpart (a function on the other side: T5's ``act`` module after ``wi_0``) handed the
+    reordered output, or a value that agrees (data flow in ``reference``), is no other suspect: with one sibling's
+    rows out of order and everything it is given agreeing, that order is what the parent's code mixes wrongly."""
     if row.parent is None or not reordered:
         return None
     before = [other for other in rows if row.parent == other.parent and other.index < row.index]
     turned = [other for other in before if other.index in reordered and (not other.diverged or REORDERED in other.note)]
-    others = [other for other in before if other is not (turned[0] if turned else None)]
-    if len(turned) != 1 or any(_unsure(other) for other in others):
-        return None  # several reordered (a layout the code reads so), another sibling differs or is unchecked
+    if len(turned) != 1:
+        return None  # several reordered (a layout the code reads so), or none
+    by_index = {other.index: other for other in rows}
+
+    def carries(other: Row) -> bool:
+        producer = producer_row(by_index, reference, other) if other.status == "unmatched" else None
+        return producer is not None and (producer is turned[0] or not _unsure(producer))
+
+    others = [other for other in before if other is not turned[0] and not carries(other)]
+    if any(_unsure(other) for other in others):
+        return None  # another sibling differs or is unchecked
     return turned[0]
 
 
