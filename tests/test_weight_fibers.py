@@ -128,12 +128,12 @@ def test_a_scaled_per_head_weight_fails_at_the_attention_in_fp32_and_bf16(tmp_pa
     for dtype in (torch.float32, torch.bfloat16):
         report = run(*attention_pair("scaled"), tmp_path / str(dtype), dtype, x).report
         assert report.verdict == "fail"
-        # the reference's qkv has no counterpart call (the candidate projects inside its attention's own code): in
-        # fp32 the value the attention's own code hands on is wrong while every module before it was given the
-        # reference's, so the qkv is named; in bf16 the lifted replay names the attention, the candidate module
-        # holding the weight; either way with the weight ledger's finding
+        # the reference's qkv has no counterpart call (the candidate projects inside its attention's own code): the
+        # value the attention's own code hands on is wrong while every module before it was given the reference's,
+        # so the qkv is named, by the isolated replay in fp32 and by the lifted replay in bf16 (which named the
+        # attention around it before it used the same rule), with the weight ledger's finding
         line = headline(report)
-        assert report.summary()["first_divergence"] == ("attention.qkv" if dtype == torch.float32 else "attention")
+        assert report.summary()["first_divergence"] == "attention.qkv", line
         said = "attention.W_Q differs from the reference's attention.qkv.weight rows 0-31: scaled by 1.01, rel_l2 0.0"
         assert f"its weight differs, {said}" in line or f"its weights differ: {said}" in line
     clean = run(*attention_pair(), tmp_path / "clean", torch.bfloat16, x).report
