@@ -97,7 +97,7 @@ def mambapy_available() -> str | None:
 
 def unavailable(name: str) -> str | None:
     """Why pair ``name`` cannot run here (its third-party package is missing), or None when it can."""
-    if name in ("llava", "clip-text", "mixtral", "convnext"):  # our ports; torch's own nn.TransformerEncoder
+    if name in ("llava", "clip-text", "mixtral", "convnext", "t5"):  # our ports; torch's own nn.TransformerEncoder
         return None
     checks = {
         "vit": monai_available, "whisper": whisper_available, "x-transformers": x_transformers_available,
@@ -947,6 +947,46 @@ def mixtral_moe(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase
     return PairCase("mixtral/per-expert", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), sites)
 
 
+def t5_port(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers T5ForConditionalGeneration (T5 v1.1: gated-GELU, the head tied to the embedding) against our
+    port (``tests/t5_port.py``): each stack computes its relative position bias once from a table it holds (the
+    reference's first attention of each stack holds it), fused ``qkv`` and ``kv`` projections, the decoder reads the
+    encoder's embedding, and the logits are a function of the embedding's weight with no module of their own."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from tests.t5_port import FUSED, LAYERS, from_t5
+
+    config = T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
+        dropout_rate=0.0, tie_word_embeddings=True, decoder_start_token_id=0,
+    )  # fmt: skip
+    reference = _seeded_reference(T5ForConditionalGeneration, config)
+    candidate = from_t5(reference).to(dtype)
+    ids = _ids(128)
+    decoder_ids = _ids(128, length=7)
+    table = "block.0.layer.0.SelfAttention.relative_attention_bias"
+    sites: dict[str, tuple[str, ...]] = {"encoder.tok": ("encoder.embed_tokens",)}  # ``shared``, called there first
+    for stack in ("encoder", "decoder"):
+        sites |= {f"{stack}.position_bias": (f"{stack}.{table}",), f"{stack}.norm": (f"{stack}.final_layer_norm",)}
+        for i in range(layers):
+            ours, theirs = f"{stack}.layers.{i}", f"{stack}.block.{i}"
+            sites |= {f"{ours}.{mine}": (f"{theirs}.{source}",) for mine, source in LAYERS[stack].items()}
+            sites |= {f"{ours}.attn": (f"{theirs}.layer.0.SelfAttention",)}
+            feed_forward = "layer.1.DenseReluDense" if stack == "encoder" else "layer.2.DenseReluDense"
+            sites |= {f"{ours}.ff": (f"{theirs}.{feed_forward}",)}
+            if stack == "decoder":
+                sites |= {f"{ours}.cross": (f"{theirs}.layer.1.EncDecAttention",)}
+            for mine, sources in FUSED.items():
+                if stack == "decoder" or mine == "attn.qkv":
+                    sites |= {f"{ours}.{mine}": tuple(f"{theirs}.{source}" for source in sources)}
+    return PairCase(
+        "t5/port", reference, candidate,
+        lambda m: m(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False), lambda m: m(ids, decoder_ids),
+        sites, weight_sites={"encoder.tok": ("encoder.embed_tokens", "shared")},  # its weight's own name: shared
+    )  # fmt: skip
+
+
 class MambapyLM(nn.Module):
     """mambapy's language model around its ``Mamba`` backbone, as ``mambapy.lm.LM`` builds it (an embedding, the
     residual blocks, a final RMSNorm, an untied head), with ``LM.forward``'s computation line for line. ``LM``
@@ -1122,6 +1162,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "mixtral": mixtral_moe,
     "mamba": mamba_mambapy,
     "convnext": convnext,
+    "t5": t5_port,
 }
 KINDS = ("scale", "offset", "noise")
 
