@@ -315,11 +315,12 @@ def _other_indices(reference: Recording, candidate: Recording, anchor: Op, count
             mine, other = candidate.tensors[ours], reference.tensors[theirs]
             if not _integral(candidate.values[ours]) or mine is None or other is None or mine.shape != other.shape:
                 continue
-            differing = int((mine != other).sum())
+            differing = int((mine != other.to(mine.device)).sum())
             if differing:
                 shown = candidate.values[ours]
                 what = "its input" if shown.origin.startswith("input ") else shown.origin
-                return f"{differing} of the {mine.numel()} integers of {what} {shown.shape} differ"
+                kind = "entries" if mine.dtype == torch.bool else "integers"  # a mask, or indices
+                return f"{differing} of the {mine.numel()} {kind} of {what} {shown.shape} differ"
     return None
 
 
