@@ -977,9 +977,10 @@ def t5_port(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
             sites |= {f"{ours}.ff": (f"{theirs}.{feed_forward}",)}
             if stack == "decoder":
                 sites |= {f"{ours}.cross": (f"{theirs}.layer.1.EncDecAttention",)}
-            for mine, sources in FUSED.items():
-                if stack == "decoder" or mine == "attn.qkv":
-                    sites |= {f"{ours}.{mine}": tuple(f"{theirs}.{source}" for source in sources)}
+            sites |= {
+                f"{ours}.{mine}": tuple(f"{theirs}.{source}" for source in sources)
+                for mine, sources in FUSED[stack].items()
+            }
     return PairCase(
         "t5/port", reference, candidate,
         lambda m: m(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False), lambda m: m(ids, decoder_ids),

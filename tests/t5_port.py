@@ -217,9 +217,10 @@ LAYERS = {  # the port's modules under {encoder,decoder}.layers.{i} and transfor
         "ff.down": "layer.2.DenseReluDense.wo",
     },
 }
-FUSED = {  # the port's fused projections and the transformers projections whose rows they hold, in order
-    "attn.qkv": ("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v"),
-    "cross.kv": ("layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v"),
+_QKV = ("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v")
+FUSED = {  # per stack, the port's fused projections and the transformers projections whose rows they hold, in order
+    "encoder": {"attn.qkv": _QKV},
+    "decoder": {"attn.qkv": _QKV, "cross.kv": ("layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")},
 }
 
 
@@ -253,9 +254,8 @@ def from_t5(t5: nn.Module) -> T5Port:
             for mine, source in LAYERS[stack].items():
                 name = "scale" if mine.endswith("norm") else "weight"
                 converted[f"{ours}.{mine}.{name}"] = weights[f"{theirs}.{source}.weight"]
-            for mine, sources in FUSED.items():
-                if stack == "decoder" or mine == "attn.qkv":
-                    parts = [weights[f"{theirs}.{source}.weight"] for source in sources]
-                    converted[f"{ours}.{mine}.weight"] = torch.cat(parts)
+            for mine, sources in FUSED[stack].items():
+                parts = [weights[f"{theirs}.{source}.weight"] for source in sources]
+                converted[f"{ours}.{mine}.weight"] = torch.cat(parts)
     port.load_state_dict({name: tensor.clone() for name, tensor in converted.items()})
     return port
