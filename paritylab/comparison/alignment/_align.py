@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from paritylab.comparison.alignment._fingerprints import _by_fingerprint, _input_shape
+from paritylab.comparison.alignment._folds import folded_calls, read_folds
 from paritylab.comparison.alignment._fused import _by_parts
 from paritylab.comparison.alignment._pairs import Pair, Part
 from paritylab.comparison.alignment._rescue import _rescue, _weightless_at_home
@@ -47,6 +48,7 @@ def _propose(state: _Pairing, rules: list[Rule], *, pinned: bool) -> None:
         return
     state.open_ref = state.left_by_rules()
     if state.structured:
+        _pair_by_folds(state)
         _pair_by_fingerprints(state)
         _pair_by_near_weights(state)
     _pair_by_paths(state)
@@ -111,6 +113,9 @@ class _Pairing:
     """Pairs from order and structure: the ordered pass between anchors, then the rescue."""
     weights: WeightLedger = field(default_factory=WeightLedger)
     """Every candidate tensor against the reference's: near weights pair their modules."""
+    inside: set[int] = field(default_factory=set)
+    """Reference calls inside a pair of one module against a run (a layer whose norm the candidate folded into it):
+    computed by the candidate module, never paired themselves."""
 
     @classmethod
     def of(cls, reference: Trace, candidate: Trace) -> _Pairing:
@@ -121,6 +126,10 @@ class _Pairing:
         cand_position = {call.key: position for position, call in enumerate(cand_calls)}
         ref_prints, cand_prints = _read_prints(reference, candidate)
         ledger = weight_ledger(ref_prints, cand_prints) if ref_prints and cand_prints else WeightLedger()
+        if ref_prints and cand_prints:
+            read_folds(
+                ref_calls, cand_calls, ref_prints, cand_prints, ledger
+            )  # batch norms folded into the layer before
         cand_prints = as_twins(cand_prints, ref_prints, ledger)  # near copies count as their twins for pairing
         ref_prints, cand_prints = held_elsewhere(reference, candidate, ref_prints, cand_prints)  # T5's bias table
         return cls(
@@ -153,13 +162,12 @@ class _Pairing:
 
     def close(self) -> None:
         """Drop what the last stage paired from :attr:`open_ref`."""
-        self.open_ref = [i for i in self.open_ref if i not in self.fixed]
+        self.open_ref = [i for i in self.open_ref if i not in self.fixed and i not in self.inside]
 
     def skipped_ref(self) -> set[int]:
         """Reference calls the ordered pass leaves alone: fixed, folded or left unmatched by a rule."""
-        return (
-            set(self.fixed) | self.folded_ref | {i for i, call in enumerate(self.ref_calls) if call.key in self.ignored}
-        )
+        ignored = {i for i, call in enumerate(self.ref_calls) if call.key in self.ignored}
+        return set(self.fixed) | self.folded_ref | ignored | self.inside
 
     def skipped_cand(self) -> set[int]:
         return set(self.taken) | {c for c, _ in self.fixed.values()}
@@ -221,6 +229,21 @@ def _pair_by_fingerprints(state: _Pairing) -> None:
         ):  # fmt: skip
             state.fix(i, j, pair)
         state.close()
+
+
+def _pair_by_folds(state: _Pairing) -> None:
+    """Modules whose weight is a reference layer's with the norm after it folded in (:mod:`._folds`): paired with
+    the norm's output, their input compared with the layer's; the layer's own call stays inside the pair."""
+    if not state.weights.folds:
+        return
+    open_ref = set(state.open_ref)
+    for k, j, i in folded_calls(state.ref_calls, state.cand_calls, state.weights.folds):
+        if k not in open_ref or i not in open_ref or j in state.taken:
+            continue
+        ref, cand = state.ref_calls[k], state.cand_calls[j]
+        state.fix(k, j, Pair(ref.key, cand.key, "run", 1.0, reference_input=state.ref_calls[i].key))
+        state.inside.add(i)
+    state.close()
 
 
 def _pair_by_near_weights(state: _Pairing) -> None:

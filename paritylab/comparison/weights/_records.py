@@ -52,8 +52,9 @@ class WeightFinding:
     candidate_module: str
     reference_module: str
     kind: str
-    """``differs`` (the values differ beyond rounding) or ``layout`` (the same values, in another order: transposed
-    or rows reordered; a port may mean it, so it is printed only where divergence starts)."""
+    """``differs`` (the values differ beyond rounding), ``layout`` (the same values, in another order: transposed
+    or rows reordered; a port may mean it, so it is printed only where divergence starts) or ``folded`` (the values
+    with the norm that follows folded into them: :mod:`._folds`; printed there too)."""
     detail: str
     rel_l2: float | None = None
     certain: bool = False
@@ -107,6 +108,9 @@ class WeightLedger:
     candidate's weight holds the reference's values (or a near copy) transposed with its lines in another order.
     Whether the port reads its input in that order (its input arrives so) or a conversion transposed the weight,
     only the input's values tell: the comparison takes that order where the input's features arrive in it."""
+    folds: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Candidate module -> (reference layer, reference norm): the candidate's weight is the layer's with the norm that
+    normalises its output folded into it (:mod:`._folds`); the alignment pairs the module with the norm's output."""
 
     @property
     def differing(self) -> list[WeightFinding]:
