@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 
 from paritylab.comparison.alignment import (
+    Alignment,
+    Pair,
     Part,
     in_layout,
 )
@@ -85,6 +87,10 @@ def attach_replay(
         if not (pair.reference_part or pair.candidate_part or pair.reference_input or pair.candidate_input)
     }
     widest = widest_floors(reference, local_floor) if floor_loosens_only and local_floor else {}
+    folds = folded_pairs(report.alignment)
+    runs = {pair.reference for pair in folds}
+    if local_floor:
+        local_floor = run_floors(folds, reference, local_floor)
     for row in report.rows:
         local = local_rows.get(row.index)
         own = relative_error(local.metrics) if local is not None else None
@@ -95,7 +101,8 @@ def attach_replay(
         floor = (local_floor or {}).get(row.reference.key)
         reason, systematic, coded, ordered = None, None, False, None
         if floor is not None:
-            systematic = _systematic(reference, replay, floor_replay, local, parts) if floor_replay else None
+            folded = row.reference.key in runs  # a batch norm's output: channels on axis 1
+            systematic = _systematic(reference, replay, floor_replay, local, parts, folded) if floor_replay else None
             candidate_dtype = local.candidate.dtype if local.candidate is not None else None
             order = order_floor(reference.call(row.reference.key)) if floor_loosens_only else 0.0
             reason = beyond_floor(local.metrics, floor, row.reference.dtype, systematic, candidate_dtype, order)
@@ -317,10 +324,17 @@ def _changed_after_lifted(rows: list[Row], lifted: LiftedReplay, lifted_rows: Ma
 
 
 def _systematic(
-    reference: Trace, replay: Trace, floor_replay: Trace, local: Row, parts: Mapping[str, tuple[Part | None, ...]]
+    reference: Trace,
+    replay: Trace,
+    floor_replay: Trace,
+    local: Row,
+    parts: Mapping[str, tuple[Part | None, ...]],
+    channels_first: bool = False,
 ) -> dict[str, float] | None:
     """:func:`systematic_z` of a row's replayed output against the low-precision reference's, on the
-    reference's output (``None`` when a value is missing or the layouts differ)."""
+    reference's output (``None`` when a value is missing or the layouts differ). ``channels_first``: the output of a
+    norm folded into the layer before it, whose channels (axis 1) each carry their own rounding of the folded
+    weights: the standard errors are clustered by channel, not by the last axis."""
     if local.status != "compared" or local.candidate is None:
         return None
     ref_part, cand_part = parts.get(local.reference.key, (None, None))
@@ -332,6 +346,8 @@ def _systematic(
     own = in_layout(own, ref_value.shape)
     if not (ref_value.shape == floor_value.shape == own.shape) or not ref_value.is_floating_point():
         return None
+    if channels_first and ref_value.dim() > 2:  # rounding shared by a channel (its folded weights) is clustered
+        ref_value, floor_value, own = (value.movedim(1, -1) for value in (ref_value, floor_value, own))
     return systematic_z(ref_value, floor_value, own)
 
 
@@ -469,6 +485,46 @@ CODE_DIFFERENCE = "code_difference"
 FLOAT32_UNIT = 2.0**-24
 """float32's unit roundoff: the smallest floor assumed (a reference that computes a module in float32 even when
 widened, as an RMSNorm that upcasts to float32 does, shows a floor of 0)."""
+
+
+def folded_pairs(alignment: Alignment) -> list[Pair]:
+    """The pairs of a candidate module with a reference layer and the norm it folded into its weight (the layer's
+    input, the norm's output: :attr:`~paritylab.comparison.weights.WeightLedger.folds`)."""
+    folds = alignment.weights.folds
+    return [
+        pair
+        for pair in alignment.pairs
+        if pair.reference_input is not None and pair.candidate.rsplit("#", 1)[0] in folds
+    ]
+
+
+def run_floors(
+    pairs: list[Pair], reference: Trace, local_floor: Mapping[str, Mapping[str, float]]
+) -> Mapping[str, Mapping[str, float]]:
+    """``local_floor`` with each of ``pairs`` (one candidate module against a run of reference modules: a layer and
+    the norm folded into it) given the floor of the whole run: the modules of the run each round, and a module's
+    floor measures only its own rounding on exact inputs. Their ``rel_l2`` add in quadrature (rounding errors are
+    independent), the other figures take the largest."""
+    if not pairs:
+        return local_floor
+    floors = dict(local_floor)
+    for pair in pairs:
+        try:
+            first, last = reference.call(pair.reference_input or ""), reference.call(pair.reference)
+        except KeyError:
+            continue
+        level = {first.parent, last.parent}
+        members = [
+            floor
+            for call in reference.calls[first.index : last.index + 1]
+            if call.parent in level and (floor := local_floor.get(call.key)) is not None
+        ]
+        if len(members) < 2:
+            continue
+        combined = {name: max(abs(floor.get(name, 0.0)) for floor in members) for name in members[-1]}
+        combined["rel_l2"] = math.sqrt(sum(floor.get("rel_l2", 0.0) ** 2 for floor in members))
+        floors[pair.reference] = combined
+    return floors
 
 
 def widest_floors(reference: Trace, local_floor: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

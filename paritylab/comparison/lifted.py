@@ -265,6 +265,9 @@ def same_weights(
         )
         if any(call.path in unsafe for call in cand_calls):
             continue
+        if any(call.path in found.folded for call in cand_calls) and pair.reference_input is not None:
+            eligible.add(pair.reference)  # the lifted reference holds the candidate's fold, unfolded
+            continue
         if pair.source == "weights" or _holds_finding(alignment, ref_calls, cand_calls):
             eligible.add(pair.reference)  # the weight ledger's defect inside: lifted, its own effect is measured
             continue

@@ -9,7 +9,8 @@ the modules whose values are the candidate's own in float32 whatever their count
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -48,6 +49,9 @@ class Twins:
     """Reference module path -> the output slots the lifted reference rounds to the candidate's precision: a table
     the candidate holds rounded by a cast and the reference computes as it runs (rotary sin and cos by position,
     :func:`rounded_tables`); a reference buffer holding such a table is rounded through :attr:`given`."""
+    folded: frozenset[str] = frozenset()
+    """Candidate modules whose weight folds a reference norm into a reference layer (:func:`with_folds`): the lifted
+    reference's layer and norm hold what computes the candidate's very output."""
 
 
 def twins(
@@ -103,6 +107,63 @@ def twins(
 TABLE_SOURCES = 4096
 """Reference values examined as tables (:func:`rounded_tables`): its buffers and its parameterless modules' outputs,
 first called first."""
+
+
+def with_folds(found: Twins, reference: nn.Module, candidate: nn.Module, folds: Mapping[str, tuple[str, str]]) -> Twins:
+    """``found`` with every fold of the weight ledger (candidate module -> the reference layer and the norm it folds
+    in) unfolded into the lifted reference: the layer holds the candidate's weight over the norm's per-channel scale
+    ``s = γ/√(σ² + ε)``, the norm its exact ``γ`` and the shift that gives the candidate's bias, so the layer and the
+    norm, run in float32, compute what the candidate's module computes there (up to float32's rounding). A fold whose
+    modules hold other tensors than a weight, a bias and a norm's ``γ``, ``β``, running mean and variance is left
+    out (its modules are then not lifted)."""
+    given, folded = dict(found.given), set()
+    for path, (layer_path, norm_path) in folds.items():
+        try:
+            module, layer, norm = (
+                model.get_submodule(name)
+                for model, name in ((candidate, path), (reference, layer_path), (reference, norm_path))
+            )
+        except AttributeError:
+            continue
+        unfolded = _unfolded(module, layer, norm)
+        if unfolded is None:
+            continue
+        for tensor, value in unfolded:
+            given[id(tensor)] = value
+        folded.add(path)
+    if not folded:
+        return found
+    return replace(found, given=given, folded=frozenset(folded))
+
+
+def _unfolded(module: nn.Module, layer: nn.Module, norm: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(reference tensor, the float32 value the lifted reference holds instead) for one fold, or ``None``."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    scale, shift = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    mean, var, eps = getattr(norm, "running_mean", None), getattr(norm, "running_var", None), getattr(norm, "eps", None)
+    own, own_bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    tensors = (weight, scale, shift, mean, var, own)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(eps, float):
+        return None
+    assert weight is not None and scale is not None and shift is not None and mean is not None and var is not None
+    assert own is not None
+    if weight.shape != own.shape and not (weight.dim() == 2 and weight.shape == own.shape[::-1]):
+        return None
+    wide = LIFTED_DTYPE
+    factor = scale.detach().to(wide) / torch.sqrt(var.detach().to(wide) + eps)
+    folded = weight.detach().to(wide)
+    if folded.shape != own.shape:
+        folded = folded.t()
+    if bool((factor == 0).any()):
+        return None
+    rows = (-1,) + (1,) * (own.dim() - 1)
+    found = [(own, (folded / factor.reshape(rows)).contiguous()), (scale, scale.detach().to(wide).clone())]
+    held = bias.detach().to(wide) if isinstance(bias, torch.Tensor) else torch.zeros_like(factor)
+    if isinstance(own_bias, torch.Tensor):  # the layer adds the norm's mean back: the norm's shift is the bias
+        found += [(own_bias, mean.detach().to(wide).clone()), (shift, held)]
+    else:
+        found.append((shift, held + factor * mean.detach().to(wide)))
+    return found
 
 
 def rounded_tables(

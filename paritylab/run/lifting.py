@@ -26,7 +26,7 @@ from torch import nn
 from paritylab.comparison.alignment import Alignment
 from paritylab.comparison.lifted import LiftedReplay, lifts, same_weights, weightless
 from paritylab.comparison.replay import fed_value, isolated_replay
-from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap
+from paritylab.comparison.twins import LIFTED_DTYPE, Twins, exact_sources, twins, unwrap, with_folds
 from paritylab.comparison.verify import handing_on, hands_on_output
 from paritylab.run.resident import Slot, available_memory, converted_bytes, converted_copy, stored_ids
 from paritylab.run.widening import converted_in_place
@@ -61,6 +61,9 @@ def lift(
     reference, candidate = unwrap(reference), unwrap(candidate)
     try:
         found = twins(reference, candidate, dtype, reference_trace)  # what the copies and the weights check share
+        ledger = alignment.weights  # norms a port folded without a defect the ledger found: unfolded
+        defective = {finding.candidate_module for finding in ledger.differing}
+        found = with_folds(found, reference, candidate, {c: f for c, f in ledger.folds.items() if c not in defective})
         eligible = same_weights(reference, candidate, reference_trace, candidate_trace, alignment, dtype, found)
     except Exception as error:  # parameters fingerprinting cannot read (a tensor subclass): nothing to lift
         if notes is not None:
