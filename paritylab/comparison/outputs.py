@@ -102,13 +102,17 @@ def check_outputs(
     (default: ``root``) also pairs leaves at the same tuple position.
     """
     positional = root if by_position is None else by_position
-    ref_leaves = [(slot, node) for slot, node in leaves(ref_call.outputs, "outputs") if slot != primary[0]]
-    cand_left = {slot: node for slot, node in leaves(cand_call.outputs, "outputs") if slot != primary[1]}
+    ref_all, cand_all = list(leaves(ref_call.outputs, "outputs")), list(leaves(cand_call.outputs, "outputs"))
+    ref_leaves = [(slot, node) for slot, node in ref_all if slot != primary[0]]
+    cand_left = {slot: node for slot, node in cand_all if slot != primary[1]}
     made_by = {node["from"]: slot for slot, node in cand_left.items() if isinstance(node.get("from"), int)}
+    ordinal = _ordinals(ref_all, cand_all, primary) if positional else {}
     checks: list[OutputCheck] = []
     unpaired: list[tuple[str, Node]] = []
     for slot, node in ref_leaves:
         target, how = _counterpart(slot, node, cand_left, made_by, partner, positional)
+        if target is None and ordinal.get(slot) in cand_left and _fits(node, cand_left[ordinal[slot]]):
+            target, how = ordinal[slot], "same position"
         if target is not None:
             checks.append(_judged(slot, node, target, cand_left.pop(target), how, judge))
         elif root:
@@ -127,6 +131,30 @@ def check_outputs(
     return checks
 
 
+def _ordinals(
+    ref_all: list[tuple[str, Node]], cand_all: list[tuple[str, Node]], primary: tuple[str | None, str | None]
+) -> dict[str, str]:
+    """Reference slot -> the candidate's leaf at the same place in order, where one side names its outputs and the
+    other returns them by position (a ``ModelOutput`` against a port's tuple, in the order ``to_tuple()`` gives), and
+    the two compared slots stand at the same place."""
+    ref_slots, cand_slots = [slot for slot, _ in ref_all], [slot for slot, _ in cand_all]
+    if len(ref_slots) != len(cand_slots) or primary[0] not in ref_slots or primary[1] not in cand_slots:
+        return {}
+    if ref_slots.index(primary[0]) != cand_slots.index(primary[1]):
+        return {}
+    named = [named_slot(slot) for slot in ref_slots], [named_slot(slot) for slot in cand_slots]
+    if not (all(named[0]) and not any(named[1])) and not (all(named[1]) and not any(named[0])):
+        return {}
+    return dict(zip(ref_slots, cand_slots, strict=True))
+
+
+def _fits(node: Node, other: Node) -> bool:
+    """Leaves of one kind that could hold the same values (tensors of as many elements)."""
+    if other.get("t") != node.get("t"):
+        return False
+    return node.get("t") != "tensor" or _numel(node["shape"]) == _numel(other["shape"])
+
+
 def _counterpart(
     slot: str,
     node: Node,
@@ -136,9 +164,7 @@ def _counterpart(
     positional: bool,
 ) -> tuple[str | None, str]:
     other = cand.get(slot)
-    fits = other is not None and other.get("t") == node.get("t")
-    if fits and other is not None and node.get("t") == "tensor":
-        fits = _numel(node["shape"]) == _numel(other["shape"])
+    fits = other is not None and _fits(node, other)
     if fits and named_slot(slot):  # a named output is what its name says, wherever data flow finds its value
         return slot, "same key"
     origin = node.get("from")
