@@ -988,6 +988,45 @@ def t5_port(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
     )  # fmt: skip
 
 
+def folded_resnet_reference(layer_type: str = "basic", layers: int = 2) -> nn.Module:
+    """A transformers ResNetModel whose batch norms hold statistics as a trained model's do (random ``γ``, ``β``,
+    means and variances: a fresh norm is the identity, and folding it changes nothing)."""
+    from transformers import ResNetConfig, ResNetModel
+
+    config = ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[layers, layers], layer_type=layer_type, num_channels=3,
+    )  # fmt: skip
+    reference = _seeded_reference(ResNetModel, config)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED[0] + 2)
+        for module in reference.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_(0.0, 0.2)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.2)
+    return reference
+
+
+def folded_resnet(dtype: torch.dtype = torch.float32, layers: int = 2, layer_type: str = "basic") -> PairCase:
+    """transformers ResNetModel against an inference port with every batch norm folded into the convolution before
+    it (``tests/folded_port.py``): one module computes what a convolution and its norm compute, with weights equal to
+    none of the reference's."""
+    from tests.folded_port import from_resnet, sites
+
+    reference = folded_resnet_reference(layer_type, layers)
+    candidate = from_resnet(reference).to(dtype)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(SEED[0] + 1))
+
+    def cast(to: torch.dtype) -> Callable[[nn.Module], Any]:
+        return lambda m: m(pixel_values=pixels.to(to))
+
+    return PairCase(
+        "resnet/folded-bn", reference, candidate, cast(torch.float32), lambda m: m(pixels.to(dtype)),
+        sites(reference), cast,
+    )  # fmt: skip
+
+
 class MambapyLM(nn.Module):
     """mambapy's language model around its ``Mamba`` backbone, as ``mambapy.lm.LM`` builds it (an embedding, the
     residual blocks, a final RMSNorm, an untied head), with ``LM.forward``'s computation line for line. ``LM``
@@ -1164,6 +1203,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "mamba": mamba_mambapy,
     "convnext": convnext,
     "t5": t5_port,
+    "resnet-folded": folded_resnet,
 }
 KINDS = ("scale", "offset", "noise")
 
