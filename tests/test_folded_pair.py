@@ -7,6 +7,8 @@ outputs against the reference's ``ModelOutput``."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,18 @@ def test_a_tuple_is_compared_with_a_model_output_in_its_order(tmp_path):
     pooled = next(check for check in root.outputs if check.reference == "outputs.pooler_output")
     assert (pooled.candidate, pooled.verdict) == ("outputs.1", "fail")
     assert wrong.verdict == "fail"
+
+
+@DTYPES
+def test_a_norm_folded_and_kept_too_is_named_at_its_layer(dtype, tmp_path):
+    """A port that folds a norm into its convolution and still applies the norm after it normalises twice: it keeps
+    the norm (its running statistics are the reference's), so nothing is read as folded there, and the convolution,
+    whose weight is the reference's scaled row by row, is named."""
+    case = folded_resnet(dtype)
+    port = from_resnet(case.reference)
+    norm = copy.deepcopy(case.reference.encoder.stages[1].layers[0].layer[0].normalization)
+    port.blocks[2].convs[0] = nn.Sequential(port.blocks[2].convs[0], norm)
+    result = _run(_with(case, port, dtype), tmp_path)
+    assert result.verdict == "fail"
+    assert result.report.origin == "encoder.stages.1.layers.0.layer.0.convolution", headline(result.report)
+    assert "blocks.2.convs.0.0.weight differs" in headline(result.report)

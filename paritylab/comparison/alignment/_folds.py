@@ -39,7 +39,7 @@ def read_folds(
     fit first; one candidate weight a layer, one layer a candidate module). Where the port folds norms, a module
     whose weight is near a normalised layer's but fits no fold is that layer's fold with a defect (the ledger's near
     match names it): a conversion bug in one fold must not cost the module its pair."""
-    layers = _normalised_layers(ref_calls, ref_prints)
+    layers = _normalised_layers(ref_calls, ref_prints, _kept_statistics(cand_prints))
     if not layers:
         return
     by_shape: dict[tuple[int, ...], list[_Layer]] = {}
@@ -118,9 +118,17 @@ def _near_weight(item: ModulePrint, layer: _Layer, ledger: WeightLedger) -> Para
     return next((param for param in item.params if _named(item.path, param) in names), None)
 
 
-def _normalised_layers(ref_calls: list[CallRecord], ref_prints: Mapping[str, ModulePrint]) -> list[_Layer]:
+def _kept_statistics(prints: Mapping[str, ModulePrint]) -> set[int]:
+    """Fingerprints of the running variances the candidate's own norms keep."""
+    return {buffer.digest for item in prints.values() for buffer in item.buffers if buffer.name == "running_var"}
+
+
+def _normalised_layers(
+    ref_calls: list[CallRecord], ref_prints: Mapping[str, ModulePrint], kept: set[int]
+) -> list[_Layer]:
     """Reference layers (holding one weight of two or more dimensions with a row per channel) whose output is the
-    input of a norm with running statistics of as many channels."""
+    input of a norm with running statistics of as many channels, which the candidate does not keep (``kept``: the
+    running variances its own norms hold; a port keeping the norm folded nothing into the layer)."""
     norms: dict[str, RunningNorm | None] = {}
     found: dict[str, _Layer] = {}
     for call in ref_calls:
@@ -129,7 +137,8 @@ def _normalised_layers(ref_calls: list[CallRecord], ref_prints: Mapping[str, Mod
         if call.path not in norms:
             norms[call.path] = running_norm(ref_prints[call.path])
         norm = norms[call.path]
-        if norm is None:
+        variance = next((b.digest for b in ref_prints[call.path].buffers if b.name == "running_var"), None)
+        if norm is None or variance in kept:
             continue
         node = _primary_input(call)
         origin = node.get("from") if node else None
