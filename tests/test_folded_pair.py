@@ -165,3 +165,57 @@ def test_a_norm_folded_and_kept_too_is_named_at_its_layer(dtype, tmp_path):
     assert result.verdict == "fail"
     assert result.report.origin == "encoder.stages.1.layers.0.layer.0.convolution", headline(result.report)
     assert "blocks.2.convs.0.0.weight differs" in headline(result.report)
+
+
+class _NormedMLP(nn.Module):
+    """A user's own MLP: each linear layer normalised by a batch norm (Linear → BatchNorm1d → ReLU → Linear →
+    BatchNorm1d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, self.bn1 = _layer_and_norm(1, 48)  # norms holding a trained model's kind of statistics
+        _, self.bn2 = _layer_and_norm(3, 8)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            self.fc1, self.fc2 = nn.Linear(20, 48), nn.Linear(48, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x)))))
+
+
+class _FoldedMLP(nn.Module):
+    def __init__(self, reference: _NormedMLP, scaled: float = 1.0) -> None:
+        super().__init__()
+        self.first = _folded_linear(reference.fc1, reference.bn1, scaled)
+        self.second = _folded_linear(reference.fc2, reference.bn2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def _folded_linear(layer: nn.Linear, norm: nn.BatchNorm1d, scaled: float = 1.0) -> nn.Linear:
+    folded = nn.Linear(layer.in_features, layer.out_features)
+    with torch.no_grad():
+        scale = norm.weight / torch.sqrt(norm.running_var + norm.eps)
+        folded.weight.copy_(layer.weight * scale[:, None] * scaled)
+        folded.bias.copy_(norm.bias + (layer.bias - norm.running_mean) * scale)
+    return folded
+
+
+@DTYPES
+def test_a_users_mlp_with_folded_batch_norms_passes_and_a_scaled_fold_is_named(dtype, tmp_path):
+    """Linear layers with a layer bias, each folding a BatchNorm1d: clean, it passes; its first fold's weight scaled
+    by 1.01 (a conversion that scales) is named at that norm, with the fold it should have been."""
+    reference = _NormedMLP().eval()
+    x = torch.randn(16, 20, generator=torch.Generator().manual_seed(6))
+    for scaled, tag in ((1.0, "clean"), (1.01, "scaled")):
+        candidate = _FoldedMLP(reference, scaled).to(dtype).eval()
+        result = check(
+            reference, candidate, tmp_path / tag, reference_call=lambda m: m(x),
+            candidate_call=lambda m: m(x.to(dtype)), echo=None,
+        )  # fmt: skip
+        if scaled == 1.0:
+            assert result.verdict == "pass", headline(result.report)
+        else:
+            assert (result.verdict, result.report.origin) == ("fail", "bn1"), headline(result.report)
+            assert "first.weight differs from the reference's fc1.weight: with bn1 folded in" in headline(result.report)

@@ -100,9 +100,9 @@ def fold_fit(layer: ParamPrint, layer_bias: ParamPrint | None, norm: RunningNorm
         return None
     rows, theirs, size = lines
     best: tuple[float, float] | None = None
-    for eps in _epsilons(theirs, rows, norm):
+    for eps in _epsilons(theirs, rows, norm):  # a usual ε first: the implied one only where it fits far better
         residual = float(numpy.linalg.norm(rows - norm.factors(eps) * theirs)) / size
-        if best is None or residual < best[1]:
+        if best is None or residual < (best[1] if eps in EPSILONS else best[1] / 2):
             best = (eps, residual)
     if best is None or best[1] > ROUNDING:
         return None
