@@ -12,7 +12,7 @@ import numpy
 
 from paritylab.comparison.alignment._shapes import _primary_input
 from paritylab.comparison.weights import WeightLedger
-from paritylab.comparison.weights._folds import RunningNorm, defective_fold, fold_fit, record_fold, running_norm
+from paritylab.comparison.weights._folds import Fold, RunningNorm, defective_fold, fold_fit, record_fold, running_norm
 from paritylab.comparison.weights._records import _named
 from paritylab.tracing.structure import ModulePrint, ParamPrint
 from paritylab.tracing.tracefile import CallRecord
@@ -47,7 +47,7 @@ def read_folds(
         by_shape.setdefault(layer.weight.shape, []).append(layer)
         if len(layer.weight.shape) == 2:
             by_shape.setdefault(layer.weight.shape[::-1], []).append(layer)
-    fits = []
+    fits: list[tuple[float, str, str, _Layer, Fold, ModulePrint, ParamPrint]] = []
     for item in cand_prints.values():
         for param in item.params:
             for layer in by_shape.get(param.shape, ()) if len(param.shape) >= 2 else ():
@@ -56,16 +56,18 @@ def read_folds(
                 fold = fold_fit(layer.weight, layer.bias, layer.norm, param)
                 if fold is not None:
                     fits.append((fold.residual, item.path, param.name, layer, fold, item, param))
-    fits.sort(key=lambda fit: (fit[0], fit[1], fit[2]))
+    fits.sort(key=lambda fit: fit[:3])
     used_layers: set[str] = set()
+    chosen: list[float] = []  # the ε of each fold taken: a defective fold is read with their median
     for _, path, _, layer, fold, item, param in fits:
         if path in ledger.folds or layer.path in used_layers:
             continue
         used_layers.add(layer.path)
+        chosen.append(fold.eps)
         record_fold(ledger, item, param, layer.path, layer.weight, layer.bias, layer.norm, fold)
-    if not ledger.folds:
+    if not chosen:
         return
-    eps = float(numpy.median([fit[4].eps for fit in fits if fit[1] in ledger.folds]))
+    eps = float(numpy.median(chosen))
     for layer, item, param in _left_over(layers, used_layers, cand_calls, cand_prints, ledger):
         defect = defective_fold(layer.weight, layer.bias, layer.norm, param, eps)
         if defect is not None:
