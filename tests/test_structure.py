@@ -82,3 +82,48 @@ def test_a_norm_stored_minus_one_fingerprints_as_its_original_on_the_bf16_and_fp
         with torch.no_grad():
             stored.weight.copy_((original.weight - 1).to(dtype))
         assert fingerprint(original, grid)[""].shifted == fingerprint(stored, grid)[""].digest != 0, grid
+
+
+def test_a_trace_of_the_same_weights_again_writes_the_fingerprints_it_encoded_once(tmp_path, monkeypatch):
+    import json
+
+    import paritylab
+    from paritylab.tracing import files
+    from paritylab.tracing.structure import fingerprint_json, prints_from_meta
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+    with paritylab.trace(model, tmp_path / "a"):
+        model(torch.randn(2, 4))
+    encoded: list[object] = []
+    real = files.json_text
+    monkeypatch.setattr(files, "json_text", lambda document, indent=None: encoded.append(document) or real(document))
+    monkeypatch.setattr("paritylab.tracing.structure.json_text", files.json_text)
+    with paritylab.trace(model, tmp_path / "b"):
+        model(torch.randn(2, 4))
+    plain = json.loads(json.dumps(list(fingerprint_json(model))))
+    for name in ("a", "b"):  # both files hold the fingerprints whole, as plain JSON a reader parses alone
+        meta = json.loads((tmp_path / name / "trace.json").read_text())["meta"]
+        assert meta["structure"] == plain and set(prints_from_meta(meta)) == {"", "0", "1", "2"}
+    written = [document["meta"] for document in encoded if isinstance(document, dict) and "meta" in document]
+    assert len(written) == 1 and isinstance(written[0]["structure"], str)  # the second trace's: not encoded again
+    assert not any(isinstance(document, list) for document in encoded)
+    with torch.no_grad():
+        model[2].weight.mul_(2.0)  # new values: fingerprinted, and so encoded, anew
+    with paritylab.trace(model, tmp_path / "c"):
+        model(torch.randn(2, 4))
+    meta = json.loads((tmp_path / "c" / "trace.json").read_text())["meta"]
+    assert meta["structure"] != plain and meta["structure"] == json.loads(json.dumps(list(fingerprint_json(model))))
+
+
+def test_write_json_puts_each_fragment_in_place_of_its_one_placeholder(tmp_path):
+    import json
+
+    import pytest
+
+    from paritylab.tracing.files import write_json
+
+    write_json(tmp_path / "x.json", {"a": "P", "b": [1, float("nan")]}, fragments={"P": '{"pre":[1,2]}'})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": {"pre": [1, 2]}, "b": [1, "nan"]}
+    with pytest.raises(ValueError, match="must occur once"):
+        write_json(tmp_path / "y.json", {"a": "P", "b": "P"}, fragments={"P": "1"})
+    assert not (tmp_path / "y.json").exists()

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,29 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_json(path: Path, document: Any, indent: int | None = None) -> None:
-    """Write standard JSON atomically (a reader never sees half a file); compact unless ``indent``."""
+def json_text(document: Any, indent: int | None = None) -> str:
+    """Standard JSON of ``document`` (a non-finite float spelled as a string: see :func:`json_safe`); compact
+    unless ``indent``."""
     separators = (",", ":") if indent is None else None
     try:
-        text = json.dumps(document, separators=separators, indent=indent, allow_nan=False)
+        return json.dumps(document, separators=separators, indent=indent, allow_nan=False)
     except ValueError:  # a non-finite float somewhere: spell it as a string
-        text = json.dumps(json_safe(document), separators=separators, indent=indent, allow_nan=False)
+        return json.dumps(json_safe(document), separators=separators, indent=indent, allow_nan=False)
+
+
+def write_json(
+    path: Path, document: Any, indent: int | None = None, fragments: Mapping[str, str] | None = None
+) -> None:
+    """Write standard JSON atomically (a reader never sees half a file); compact unless ``indent``.
+
+    ``fragments`` maps a placeholder string in ``document`` (a value, unique in it) to JSON text already encoded,
+    which takes its place in the file: a large part that does not change between writes is encoded once."""
+    text = json_text(document, indent)
+    for placeholder, fragment in (fragments or {}).items():
+        marker = json.dumps(placeholder)
+        if text.count(marker) != 1:
+            raise ValueError(f"write_json: placeholder {placeholder!r} must occur once in the document")
+        text = text.replace(marker, fragment)
     partial = path.with_name(path.name + ".partial")
     try:
         partial.write_text(text, encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from paritylab.tracing.files import (  # noqa: F401  (re-exported: readers impor
     write_json,
 )
 from paritylab.tracing.storage import StorageError, TensorReader
+from paritylab.tracing.structure import Fingerprints
 from paritylab.tracing.values import Node, iter_tensors
 
 SCHEMA_VERSION = 1
@@ -184,15 +186,20 @@ class Trace:
         if target is None:
             raise ValueError("this trace has no directory: pass one to save(directory)")
         target.mkdir(parents=True, exist_ok=True)
+        meta, fragments = self.meta, {}
+        structure = meta.get("structure")
+        if isinstance(structure, Fingerprints):  # encoded once for the model's weights (see Fingerprints)
+            placeholder = f"paritylab-fragment-{uuid.uuid4().hex}"
+            meta, fragments = {**meta, "structure": placeholder}, {placeholder: structure.json_text()}
         document = {
             "schema_version": SCHEMA_VERSION,
             "format": "paritylab",
-            "meta": self.meta,
+            "meta": meta,
             "files": {ref: list(location) for ref, location in self.files.items()},
             "captures": self.captures,
             "calls": [call.to_json() for call in self.calls],
         }
-        write_json(target / TRACE_FILE, document)
+        write_json(target / TRACE_FILE, document, fragments=fragments)
         write_json(target / INDEX_FILE, self.slot_index())
         return target / TRACE_FILE
 

@@ -491,6 +491,8 @@ class Tracer:
         return meta
 
     def _count_skipped(self) -> int:
+        if self._store is None:
+            return 0  # only a store skips a tensor (a budget, a dtype, a failed write)
         return sum(
             1
             for call in self.trace.calls
