@@ -191,11 +191,13 @@ class Tracer:
     def _register(self, specs: list[CaptureSpec]) -> None:
         handles: list[Any] = []
         self._exit.callback(_remove_all, handles)
+        options = self.options
+        every = not (options.include or options.exclude or options.max_depth is not None)
         for path, module in self.model.named_modules():
-            if isinstance(module, _CONTAINERS) or not self.options.selects(path):
+            if isinstance(module, _CONTAINERS) or not (every or options.selects(path)):
                 continue
             self._selected.append(path)
-            if getattr(module, "inplace", False) is True:  # ReLU(inplace=True) and the like
+            if _inplace(module):  # ReLU(inplace=True) and the like
                 self._inplace.add(path)
             matching = [spec for spec in specs if spec.matches(path, module)]
             if matching:
@@ -259,16 +261,19 @@ class Tracer:
         )
         if self.options.inputs:
             self._side = "inputs"
-            record.inputs = encode({"args": args, "kwargs": kwargs}, self._encode_tensor)
-        if self._store is not None and path in self._inplace:
-            for tensor in (*args, *kwargs.values()):
-                if isinstance(tensor, torch.Tensor):
-                    self._store.protect(tensor)
+            on_tensor = self._encode_tensor  # {"args": ..., "kwargs": ...} as encode() writes a plain dict
+            items = {"args": encode(args, on_tensor), "kwargs": encode(kwargs, on_tensor)}
+            record.inputs = {"t": "dict", "items": items}
+        versions = {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                versions[id(value)] = tensor_version(value)
+                if self._store is not None and path in self._inplace:
+                    self._store.protect(value)
         self.trace.calls.append(record)
         if self._journal is not None:  # the call is open: a kill -9 from here on still leaves it in the tree
             self._journal.add({"index": record.index, "path": path, "call_index": call_index, "cls": record.cls,
                                "parent": parent, "depth": record.depth})  # fmt: skip
-        versions = {id(t): tensor_version(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._stack.append((record, sys.exc_info()[1], versions))
 
     def _close_call(self, path: str, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -310,9 +315,11 @@ class Tracer:
             "dtype": _dtype_name(tensor.dtype),
             "device": _device_name(tensor.device),
         }
-        seen = self._lookup(tensor)
-        if seen is None:
-            moved = self._changed_in_place(tensor)
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen.ref() is not tensor:
+            seen = None  # another tensor that had this one's id
+        if seen is None or seen.version != tensor_version(tensor):
+            moved = seen is not None  # recorded before, and its version has moved since: changed in place
             if moved:
                 self._note_changed_output(tensor)
             changed = self._side == "inputs" and moved
@@ -346,11 +353,6 @@ class Tracer:
         producer = self._seen[id(tensor)].producer
         if producer is not None:
             self.changed_outputs.add(self.trace.calls[producer].path)
-
-    def _changed_in_place(self, tensor: torch.Tensor) -> bool:
-        """``tensor`` was recorded before and its version has moved since: it is passed on changed in place."""
-        seen = self._seen.get(id(tensor))
-        return seen is not None and seen.ref() is tensor and seen.version != tensor_version(tensor)
 
     def _record_tensor(self, tensor: torch.Tensor, save: bool | None = None) -> _Seen:
         stats = self._stats.add(tensor) if supports_stats(tensor) else None
@@ -610,6 +612,19 @@ def _returns_its_input(
             return True
     return False
 
+
+def _inplace(module: nn.Module) -> bool:
+    """Whether ``module`` says it changes its input in place (``inplace=True``), read from its own attributes first:
+    ``getattr`` on a module without one goes through ``nn.Module.__getattr__``, which raises and catches."""
+    held = vars(module).get("inplace", _NOTHING)
+    if held is _NOTHING:
+        if not hasattr(type(module), "inplace"):
+            return False
+        held = getattr(module, "inplace", False)
+    return held is True
+
+
+_NOTHING = object()
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 """Holders of modules that are never called themselves: not hooked, never reported as missing."""

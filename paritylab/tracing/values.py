@@ -60,6 +60,10 @@ def encode(value: object, on_tensor: TensorEncoder) -> Node:
         return on_tensor(tensor)
     if value is None:
         return {"t": "none"}
+    if type(value) is tuple:  # the common containers first, past the checks below (a module's args, its kwargs)
+        return {"t": "tuple", "items": [encode(item, on_tensor) for item in value]}
+    if type(value) is dict:
+        return {"t": "dict", "items": {str(key): encode(item, on_tensor) for key, item in value.items()}}
     if isinstance(value, float) and not math.isfinite(value):
         return {"t": "object", "repr": repr(value)}  # JSON holds no NaN/Inf
     if isinstance(value, bool | int | float | str):
