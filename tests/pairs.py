@@ -1027,6 +1027,31 @@ def folded_resnet(dtype: torch.dtype = torch.float32, layers: int = 2, layer_typ
     )  # fmt: skip
 
 
+def bloom_reference(layers: int = 2) -> nn.Module:
+    """A tiny transformers BloomForCausalLM, eager attention, no dropout."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=128, hidden_size=64, n_layer=layers, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cache=False,
+    )  # fmt: skip
+    return _seeded_reference(BloomForCausalLM, config)
+
+
+def bloom(dtype: torch.dtype = torch.float32, layers: int = 2) -> PairCase:
+    """transformers BloomForCausalLM against a port whose blocks add the residual that BLOOM's attention and MLP add
+    themselves (``tests/bloom_port.py``): modules holding the same weights whose outputs differ by an input."""
+    from tests.bloom_port import from_bloom, sites
+
+    reference = bloom_reference(layers)
+    candidate = from_bloom(reference).to(dtype)
+    ids = _ids(128)
+    found, unpaired = sites(layers)
+    return PairCase(
+        "bloom/port", reference, candidate, lambda m: m(input_ids=ids), lambda m: m(ids), found, unpaired=unpaired
+    )
+
+
 class MambapyLM(nn.Module):
     """mambapy's language model around its ``Mamba`` backbone, as ``mambapy.lm.LM`` builds it (an embedding, the
     residual blocks, a final RMSNorm, an untied head), with ``LM.forward``'s computation line for line. ``LM``
@@ -1204,6 +1229,7 @@ PAIRS: dict[str, Callable[..., PairCase]] = {
     "convnext": convnext,
     "t5": t5_port,
     "resnet-folded": folded_resnet,
+    "bloom": bloom,
 }
 KINDS = ("scale", "offset", "noise")
 

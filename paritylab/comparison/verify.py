@@ -263,8 +263,12 @@ def _refuted(
         other = candidate.call(pair.candidate)
         if pair.source == "identity" and not _doubted(row, reference.call(pair.reference), other):
             continue  # the same model's module (a cast, compiled or sharded run), or values that agree
+        if pair.source == "structure":
+            if _residual_elsewhere(row, reference.call(pair.reference), other, reference, candidate) is not None:
+                proposed.append((row, pair, other))  # the same weights, and outputs that differ by an input
+            continue  # else equal weights proposed it: the same computation, checked by its values
         if pair.source not in ("auto", "identity"):
-            continue  # equal weights proposed it: the same computation, checked by its values
+            continue
         if other.cls not in passing:
             proposed.append((row, pair, other))
     if not proposed:  # most runs of one model against its cast or its port: nothing to check, nothing built
@@ -294,6 +298,11 @@ def _refuted(
         if witness is None:
             continue
         why = f"{_proposed(pair)}, its output differs by {error:.3g} while {witness} does not"
+        if pair.source == "structure":
+            residual = _residual_elsewhere(row, reference.call(pair.reference), candidate.call(pair.candidate),
+                                           reference, candidate)  # fmt: skip
+            found[row.index] = (row, pair, f"{why}, and {residual}: the same weights, not the same output")
+            continue  # each such pair shows its own residual: none is refuted for another block's
         found[row.index] = (row, pair, why + ": not one computation")
         witnessed[_pattern(pair)] = witness
     for row, pair, error in suspects:
@@ -312,7 +321,39 @@ def _doubted(row: Row, call: CallRecord, other: CallRecord) -> bool:
 
 
 def _proposed(pair: Pair) -> str:
+    if pair.source == "structure":
+        return "paired by its weights"
     return "paired by its path only" if pair.source == "identity" else "paired by order and shape only"
+
+
+def _residual_elsewhere(
+    row: Row, call: CallRecord, other: CallRecord, reference: Trace, candidate: Trace
+) -> str | None:
+    """Why a pair that equal weights proposed computes another value: one side's module adds one of its inputs to
+    what it returns (a residual: BLOOM's attention and MLP return ``residual + f(x)``) where the other side adds it
+    after its module (a port's block does ``x + attn(norm(x))``), so the outputs differ by that input. Said when the
+    outputs differ by :data:`REFUTED_ERROR` or more and adding (or taking away) one input of the output's shape
+    leaves less than :data:`UNFELT` of the difference; ``None`` otherwise (a bug of that size is the module's own,
+    and a module that forgot its residual is never refuted: what uses its output disagrees too)."""
+    error = row.rel_l2
+    if error is None or error < REFUTED_ERROR or not row.diverged or row.candidate is None:
+        return None
+    made = _value(reference, _at(call, row.reference.slot))
+    returned = _value(candidate, _at(other, row.candidate.slot))
+    if made is None or returned is None or not made.is_floating_point() or not _fits(returned, made):
+        return None
+    made, returned = made.double(), in_layout(returned, made.shape).double()
+    best: tuple[float, str] | None = None  # the input that explains the difference best (a norm's input and output
+    for side, trace, record, sign in (("reference", reference, call, 1.0), ("candidate", candidate, other, -1.0)):
+        for slot, node in iter_tensors(record.inputs, "inputs"):  # can be near alike: random-init norms)
+            value = _value(trace, node)
+            if value is None or not value.is_floating_point() or not _fits(value, made):
+                continue
+            left = _relative(returned + sign * in_layout(value, made.shape).double(), made)
+            whose = "its counterpart" if side == "reference" else "it"
+            if left < UNFELT * error and (best is None or left < best[0]):
+                best = left, f"{whose} adds its input {slot} to what it returns, which the other side adds after it"
+    return best[1] if best is not None else None
 
 
 def _descendants(trace: Trace) -> dict[int, set[int]]:
