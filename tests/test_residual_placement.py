@@ -97,3 +97,20 @@ def test_a_scaled_norm_whose_user_cannot_see_the_scale_is_not_refuted(dtype, tmp
     result = _run(port, reference, dtype, tmp_path)
     assert result.verdict == "fail", headline(result.report)
     assert result.report.origin == "transformer.word_embeddings_layernorm", headline(result.report)
+
+
+@DTYPES
+def test_a_down_projection_with_its_rows_halves_swapped_is_named_at_its_weight(dtype, tmp_path):
+    """Its output agrees only with its features in another order; the reference's MLP, now unpaired, adds it to the
+    residual, and holds BLOOM's GELU module, which a port computes as a function: a module with no counterpart handed
+    a value that agrees is no other suspect, so the reordered projection is named, not the MLP around it."""
+
+    def swapped(state: dict[str, torch.Tensor]) -> None:
+        weight = state["blocks.0.ffn.down.weight"]
+        half = weight.shape[0] // 2
+        state["blocks.0.ffn.down.weight"] = torch.cat([weight[half:], weight[:half]])
+
+    reference = bloom_reference()
+    result = _run(from_bloom(reference, convert=swapped), reference, dtype, tmp_path)
+    assert result.verdict == "fail", headline(result.report)
+    assert result.report.origin == "transformer.h.0.mlp.dense_4h_to_h", headline(result.report)

@@ -668,7 +668,7 @@ def _name_culprit(
         return
     reordered = reordered if reordered is not None else reordered_rows(report.alignment, reference)
     turned = reordered_maker(chosen, report.rows, reference, reordered) or reordered_child(
-        chosen, report.rows, reordered
+        chosen, report.rows, reordered, reference
     )
     if turned is not None:  # the culprit returns, or its code reads, what a reordered module made, in that order
         reason, chosen = turned.note, turned

@@ -136,7 +136,9 @@ def localise(rows: list[Row], reference: Trace, reordered: frozenset[int] | set[
     if not starts:
         starts = [row for row in rows if row.diverged and not row.input_known]
     has_start_below = {index for row in starts for index in ancestors(row, by_index)}
-    origins = [reordered_child(row, rows, reordered) or row for row in starts if row.index not in has_start_below]
+    origins = [
+        reordered_child(row, rows, reordered, reference) or row for row in starts if row.index not in has_start_below
+    ]
     for row in rows:
         if not row.diverged:
             continue
@@ -191,15 +193,24 @@ REORDERED = "its output agrees only with its features in another order"
 REORDERED_WHY = "its weight's rows are the reference's, reordered"
 
 
-def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[int]) -> Row | None:
+def reordered_child(row: Row, rows: list[Row], reordered: frozenset[int] | set[int], reference: Trace) -> Row | None:
     """The one module inside an origin whose output agrees only reordered, when every module inside it agrees: the
     origin's own code reads that output in its own order (an attention splitting a query whose rows' halves were
-    swapped into heads, a layer adding an MLP's reordered output to its residual). Marks it the origin."""
+    swapped into heads, a layer adding an MLP's reordered output to its residual). Marks it the origin. A module
+    inside with no counterpart that is handed the reordered output or a value that agrees (data flow in
+    ``reference``: BLOOM's ``gelu_impl``, a function in a port) is no other suspect, as in :func:`reordered_sibling`."""
     if not reordered:
         return None
     inside = _inside_through_unpaired(row, rows)
     turned = [other for other in inside if other.index in reordered and (not other.diverged or REORDERED in other.note)]
-    if len(turned) != 1 or any(_unsure(other) for other in inside if other is not turned[0]):
+    if len(turned) != 1:
+        return None
+    by_index = {other.index: other for other in rows}
+    if any(
+        _unsure(other) and not _carries(other, turned[0], by_index, reference)
+        for other in inside
+        if other is not turned[0]
+    ):
         return None
     child = turned[0]
     child.diverged, child.verdict = True, "fail"
@@ -244,15 +255,19 @@ def reordered_sibling(row: Row, rows: list[Row], reordered: frozenset[int] | set
     if len(turned) != 1:
         return None  # several reordered (a layout the code reads so), or none
     by_index = {other.index: other for other in rows}
-
-    def carries(other: Row) -> bool:
-        producer = producer_row(by_index, reference, other) if other.status == "unmatched" else None
-        return producer is not None and (producer is turned[0] or not _unsure(producer))
-
-    others = [other for other in before if other is not turned[0] and not carries(other)]
+    others = [
+        other for other in before if other is not turned[0] and not _carries(other, turned[0], by_index, reference)
+    ]
     if any(_unsure(other) for other in others):
         return None  # another sibling differs or is unchecked
     return turned[0]
+
+
+def _carries(other: Row, turned: Row, by_index: Mapping[int, Row], reference: Trace) -> bool:
+    """``other`` has no counterpart and is handed ``turned``'s output or a value that agrees (data flow): it only
+    carries what was checked, so it is no suspect beside the reordered module."""
+    producer = producer_row(dict(by_index), reference, other) if other.status == "unmatched" else None
+    return producer is not None and (producer is turned or not _unsure(producer))
 
 
 def _unsure(row: Row) -> bool:
