@@ -73,9 +73,9 @@ def test_a_conversion_bug_behind_a_residual_placed_elsewhere_is_named_at_its_wei
 def test_a_wrong_alibi_constant_is_named_at_the_first_attention_reading_it(dtype, tmp_path):
     reference = bloom_reference()
     result = _run(from_bloom(reference, base=7.0), reference, dtype, tmp_path)  # 2**(-7/n) for BLOOM's 2**(-8/n)
-    assert result.verdict == "fail" and result.report.origin == "transformer.h.0.self_attention", headline(
-        result.report
-    )
+    line = headline(result.report)
+    assert result.verdict == "fail" and result.report.origin == "transformer.h.0.self_attention", line
+    assert line.startswith("FAIL: divergence starts at transformer.h.0.self_attention (no counterpart in the"), line
 
 
 def test_an_attention_whose_residual_the_port_forgot_stays_paired_and_is_named(tmp_path):

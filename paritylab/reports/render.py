@@ -119,6 +119,8 @@ def _verdict_line(report: Report) -> str:
     error = f"own error {fmt(own)}" if own is not None else f"rel_l2 {fmt(first.rel_l2 if first else None)}"
     if first is not None and own is not None and not first.local.get("local_diverged"):
         error = f"rel_l2 {fmt(first.rel_l2)}"  # named on other evidence: an own error within tolerance says nothing
+    if first is not None and own is None and first.rel_l2 is None and first.status == "unmatched":
+        error = "no counterpart in the candidate"  # named from the modules around it: nothing of its own measured
     if first is not None and "changed_after_rel_l2" in first.metrics:  # its value is changed after it
         error = f"changed after it by rel_l2 {fmt(first.metrics['changed_after_rel_l2'])}"
     if first is not None and first.local.get("lifted_diverged"):  # found where the precision's rounding is gone
