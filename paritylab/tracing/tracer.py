@@ -521,16 +521,23 @@ def trace_run(
     model: nn.Module, run: Callable[[nn.Module], Any], directory: Path | None, options: TraceOptions
 ) -> Tracer:
     """Trace ``run(model)`` into ``directory`` and return the finished tracer. Where code after a call changed that
-    call's output in place before the background writer stored it (the value is then lost, and whether it is
-    depends on how fast the writer was), ``run`` is traced once more into a fresh ``directory`` with those modules'
-    outputs copied as they are recorded (:attr:`TraceOptions.snapshot`): no value is lost to the race, whichever
-    way it goes. A forward that raises propagates at once."""
+    call's output in place while a background writer may still have been storing it (the value is then lost, or,
+    when the write ran beside the in-place kernel, kept half changed: which, depends on how fast the writer was),
+    ``run`` is traced once more into a fresh ``directory`` with those modules' outputs copied as they are recorded
+    (:attr:`TraceOptions.snapshot`): no value is lost or torn by the race, whichever way it goes. Synchronous writes
+    (``pending_bytes=0``) store each output before the forward goes on, so they need no second trace. A forward that
+    raises propagates at once."""
     for attempt in range(RETRACES + 1):
         tracer = Tracer(model, directory, options)
         with tracer:
             run(model)
         lost = lost_in_place(tracer.trace)
-        if not lost or directory is None or attempt == RETRACES:
+        # A change in place that a background writer raced: its version counter moves only when the in-place kernel
+        # is done, so a write that ran beside the kernel can pass both of its checks and keep half-changed bytes
+        raced = (
+            tracer.changed_outputs - options.snapshot if options.save_tensors and _background(options, model) else set()
+        )
+        if not (lost or raced) or directory is None or attempt == RETRACES:
             return tracer
         shutil.rmtree(directory, ignore_errors=True)  # this function's own output of a moment ago, redone whole
         # every output seen changed, and every module of a lost one's kind in other blocks (the same path but for
@@ -628,6 +635,11 @@ _NOTHING = object()
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 """Holders of modules that are never called themselves: not hooked, never reported as missing."""
+
+
+def _background(options: TraceOptions, model: nn.Module) -> bool:
+    """Whether a trace with ``options`` writes its tensors from a background thread (see ``pending_bytes``)."""
+    return _pending_bytes(options.pending_bytes, model) > 0
 
 
 def _pending_bytes(chosen: int | None, model: nn.Module) -> int:
