@@ -195,9 +195,9 @@ def test_an_output_changed_in_place_is_seen_when_it_is_handed_on_even_if_nothing
 
 def test_an_output_changed_in_place_beside_a_background_writer_is_traced_again_though_nothing_was_lost(tmp_path):
     """A background writer can store an output while the in-place kernel changing it runs: the version counter moves
-    only when the kernel is done, so the write passes both its checks and keeps half-changed bytes (seen once as a
-    0.89 own error in a folded ResNet's lifted replay). Any change seen with a background writer is traced again,
-    that output copied as it is recorded."""
+    only when the kernel is done, so the write passes both its checks and keeps half-changed bytes (the likely cause
+    of a 0.89 own error once seen in a folded ResNet's lifted replay). Any change seen with a background writer is
+    traced again, that output copied as it is recorded."""
     model = ScaledInPlace(wait=0.2)  # the writer stores the output before the change: nothing is lost
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
