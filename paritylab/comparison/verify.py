@@ -256,6 +256,7 @@ def _refuted(
       paths but for their numbers) that differs as much is refuted with it."""
     pairs = alignment.by_reference()
     proposed: list[tuple[Row, Pair, CallRecord]] = []
+    residuals: dict[int, str] = {}  # the structure pairs' rows whose outputs differ by an input: why
     for row in rows:
         pair = pairs.get(row.reference.key) if row.status == "compared" and row.candidate is not None else None
         if pair is None or not _whole(pair):
@@ -264,8 +265,10 @@ def _refuted(
         if pair.source == "identity" and not _doubted(row, reference.call(pair.reference), other):
             continue  # the same model's module (a cast, compiled or sharded run), or values that agree
         if pair.source == "structure":
-            if _residual_elsewhere(row, reference.call(pair.reference), other, reference, candidate) is not None:
-                proposed.append((row, pair, other))  # the same weights, and outputs that differ by an input
+            residual = _residual_elsewhere(row, reference.call(pair.reference), other, reference, candidate)
+            if residual is not None:  # the same weights, and outputs that differ by an input
+                residuals[row.index] = residual
+                proposed.append((row, pair, other))
             continue  # else equal weights proposed it: the same computation, checked by its values
         if pair.source not in ("auto", "identity"):
             continue
@@ -298,10 +301,8 @@ def _refuted(
         if witness is None:
             continue
         why = f"{_proposed(pair)}, its output differs by {error:.3g} while {witness} does not"
-        if pair.source == "structure":
-            residual = _residual_elsewhere(row, reference.call(pair.reference), candidate.call(pair.candidate),
-                                           reference, candidate)  # fmt: skip
-            found[row.index] = (row, pair, f"{why}, and {residual}: the same weights, not the same output")
+        if row.index in residuals:
+            found[row.index] = (row, pair, f"{why}, and {residuals[row.index]}: the same weights, not the same output")
             continue  # each such pair shows its own residual: none is refuted for another block's
         found[row.index] = (row, pair, why + ": not one computation")
         witnessed[_pattern(pair)] = witness

@@ -265,11 +265,12 @@ class Tracer:
             items = {"args": encode(args, on_tensor), "kwargs": encode(kwargs, on_tensor)}
             record.inputs = {"t": "dict", "items": items}
         versions = {}
+        store = self._store if path in self._inplace else None  # it changes its input in place: snapshot pending
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor):
                 versions[id(value)] = tensor_version(value)
-                if self._store is not None and path in self._inplace:
-                    self._store.protect(value)
+                if store is not None:
+                    store.protect(value)
         self.trace.calls.append(record)
         if self._journal is not None:  # the call is open: a kill -9 from here on still leaves it in the tree
             self._journal.add({"index": record.index, "path": path, "call_index": call_index, "cls": record.cls,
